@@ -1,0 +1,43 @@
+"""nbresume: long PyTorch training that survives Colab, Kaggle, SSH boxes, Slurm and Kubernetes.
+
+A checkpoint that nbresume reports as saved is really there, loads, and resumes the run
+exactly. ``import nbresume`` is light: torch, IPython and ipywidgets are imported only where
+they are used.
+"""
+
+from __future__ import annotations
+
+from nbresume.checkpoint.store import (
+    CheckpointInfo,
+    CheckpointStore,
+    LoadedCheckpoint,
+    VerifyReport,
+    VerifyResult,
+    verify,
+)
+from nbresume.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NbresumeError,
+    NoCheckpointError,
+    StorageError,
+    StorageFullError,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "CorruptCheckpointError",
+    "LoadedCheckpoint",
+    "NbresumeError",
+    "NoCheckpointError",
+    "StorageError",
+    "StorageFullError",
+    "VerifyReport",
+    "VerifyResult",
+    "__version__",
+    "verify",
+]

@@ -1,0 +1,334 @@
+"""Where checkpoints live: a POSIX folder, or any fsspec URL.
+
+Two backends with one interface. :class:`LocalStore` has atomic rename and fsync and uses
+them; :class:`FsspecStore` (S3, GCS, ``memory://``, ...) has neither, so there the manifest,
+written last, is the only commit. :func:`open_store` picks one for a path or URL.
+
+How a checkpoint is committed is described at the top of :mod:`nbresume.checkpoint.store`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
+
+READ_CHUNK = 8 << 20
+
+# Folders a writer leaves behind when it is killed; each begins with a dot (hidden from `ls`).
+REPLACED_PREFIX = RETIRED_PREFIX + "replaced-"  # an older copy of the same step, being replaced
+DELETING_PREFIX = RETIRED_PREFIX + "deleting-"  # a checkpoint that retention is removing
+
+
+@dataclass(frozen=True)
+class FreeSpace:
+    """Free bytes and inodes where the store writes (``None`` where the store cannot tell)."""
+
+    bytes: int | None
+    inodes: int | None
+
+
+class Store(ABC):
+    """A folder of checkpoint folders. Names passed in are single path components."""
+
+    #: Whether a folder can be renamed into place atomically (POSIX) or the manifest alone
+    #: commits (object stores).
+    atomic_rename: bool
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """The store's root as the user would write it (a path or a URL)."""
+
+    def child(self, *names: str) -> str:
+        """The location of a folder or file below the root, for messages."""
+        return "/".join([self.location.rstrip("/"), *names])
+
+    @abstractmethod
+    def list_folders(self) -> list[str]:
+        """Names of the folders directly below the root (none when the root does not exist)."""
+
+    @abstractmethod
+    def list_files(self, folder: str) -> list[str]:
+        """Names of the files in ``folder``."""
+
+    @abstractmethod
+    def begin(self, final: str) -> str:
+        """Prepare a folder to write the checkpoint ``final`` into; return its name."""
+
+    @abstractmethod
+    def open_write(self, folder: str, name: str) -> IO[bytes]:
+        """A new binary file in ``folder``; close it with :meth:`close_durably`."""
+
+    @abstractmethod
+    def close_durably(self, handle: IO[bytes]) -> None:
+        """Flush, make durable (fsync where there is such a thing) and close."""
+
+    @abstractmethod
+    def commit(self, folder: str, final: str) -> None:
+        """Make ``folder`` visible as ``final``, its manifest already written."""
+
+    @abstractmethod
+    def open_read(self, folder: str, name: str) -> IO[bytes]:
+        """Open a file of a committed checkpoint for reading."""
+
+    @abstractmethod
+    def delete(self, folder: str) -> None:
+        """Remove a checkpoint so that no reader ever sees part of it."""
+
+    @abstractmethod
+    def discard(self, folder: str) -> None:
+        """Remove an uncommitted or leftover folder, whatever it holds."""
+
+    @abstractmethod
+    def recover(self, current: str) -> list[str]:
+        """Repair or remove what a killed writer left; ``current`` is a folder being written
+        now and is left alone. Return the names that were cleaned."""
+
+    def free_space(self) -> FreeSpace:
+        """Free bytes and inodes, where the store can tell."""
+        return FreeSpace(None, None)
+
+    def read_bytes(self, folder: str, name: str, *, limit: int | None = None) -> bytearray:
+        """A whole file, refusing to read more than ``limit`` bytes."""
+        with self.open_read(folder, name) as handle:
+            data = bytearray()
+            while chunk := handle.read(READ_CHUNK):
+                data += chunk
+                if limit is not None and len(data) > limit:
+                    break
+            return data
+
+    def iter_chunks(self, folder: str, name: str) -> Iterator[bytes]:
+        with self.open_read(folder, name) as handle:
+            while chunk := handle.read(READ_CHUNK):
+                yield chunk
+
+
+def _token() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class LocalStore(Store):
+    """A folder on a POSIX file system: temporary sibling folder, fsync, atomic rename."""
+
+    atomic_rename = True
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser()
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def list_folders(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as entries:
+                return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+
+    def list_files(self, folder: str) -> list[str]:
+        with os.scandir(self.root / folder) as entries:
+            return [e.name for e in entries if e.is_file(follow_symlinks=False)]
+
+    def begin(self, final: str) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"{TEMP_PREFIX}{final}-{_token()}"
+        (self.root / name).mkdir()
+        return name
+
+    def open_write(self, folder: str, name: str) -> IO[bytes]:
+        return open(self.root / folder / name, "xb")
+
+    def close_durably(self, handle: IO[bytes]) -> None:
+        try:
+            handle.flush()
+            os.fsync(handle.fileno())
+        finally:
+            handle.close()
+
+    def commit(self, folder: str, final: str) -> None:
+        _fsync_dir(self.root / folder)
+        target = self.root / final
+        replaced: Path | None = None
+        if target.exists():
+            # Saving a step that already exists: move the old copy aside first. If we are killed
+            # before the new copy is in place, recover() puts the old one back.
+            replaced = self.root / f"{REPLACED_PREFIX}{final}-{_token()}"
+            os.rename(target, replaced)
+        os.rename(self.root / folder, target)
+        _fsync_dir(self.root)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+
+    def open_read(self, folder: str, name: str) -> IO[bytes]:
+        path = self.root / folder / name
+        # O_NOFOLLOW: a planted symlink must not make us read a file outside the checkpoint.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        return os.fdopen(fd, "rb")
+
+    def delete(self, folder: str) -> None:
+        # One atomic rename takes the checkpoint out of every reader's view; the slow removal
+        # happens afterwards, and a kill in the middle of it leaves only a hidden folder.
+        doomed = self.root / f"{DELETING_PREFIX}{folder}-{_token()}"
+        os.rename(self.root / folder, doomed)
+        _fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def discard(self, folder: str) -> None:
+        shutil.rmtree(self.root / folder, ignore_errors=True)
+
+    def recover(self, current: str) -> list[str]:
+        cleaned = []
+        for name in self.list_folders():
+            if name == current or not name.startswith((TEMP_PREFIX, RETIRED_PREFIX)):
+                continue
+            if name.startswith(REPLACED_PREFIX):
+                final = name[len(REPLACED_PREFIX) :].split("-", 1)[0]
+                if not (self.root / final).exists() and (self.root / name / MANIFEST_NAME).exists():
+                    os.rename(self.root / name, self.root / final)
+                    _fsync_dir(self.root)
+                    cleaned.append(name)
+                    continue
+            shutil.rmtree(self.root / name, ignore_errors=True)
+            cleaned.append(name)
+        return cleaned
+
+    def free_space(self) -> FreeSpace:
+        probe = self.root
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            st = os.statvfs(probe)
+        except OSError:
+            return FreeSpace(None, None)
+        # f_favail is 0 on file systems without inode accounting (some FUSE mounts): unknown.
+        inodes = st.f_favail if st.f_files else None
+        return FreeSpace(st.f_bavail * st.f_frsize, inodes)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError:
+        # Some file systems (certain FUSE mounts) refuse fsync on a folder; the data files
+        # themselves were fsynced, and verification still reads everything back.
+        pass
+    finally:
+        os.close(fd)
+
+
+class FsspecStore(Store):
+    """Any fsspec file system. No atomic rename: the manifest, written last, is the commit."""
+
+    atomic_rename = False
+
+    def __init__(self, url: str, fs: Any = None, root: str | None = None) -> None:
+        import fsspec
+
+        self.url = url
+        if fs is None:
+            fs, root = fsspec.core.url_to_fs(url)
+        self.fs = fs
+        self.root = (root or "").rstrip("/")
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def _path(self, *names: str) -> str:
+        return "/".join([self.root, *names])
+
+    def _ls(self, path: str) -> list[dict[str, Any]]:
+        # Listings are cached by some backends (s3fs): another process may have written since.
+        self.fs.invalidate_cache(path)
+        try:
+            entries: list[dict[str, Any]] = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        return entries
+
+    def list_folders(self) -> list[str]:
+        return [
+            e["name"].rstrip("/").rsplit("/", 1)[-1]
+            for e in self._ls(self.root)
+            if e.get("type") == "directory"
+        ]
+
+    def list_files(self, folder: str) -> list[str]:
+        return [
+            e["name"].rsplit("/", 1)[-1]
+            for e in self._ls(self._path(folder))
+            if e.get("type") == "file"
+        ]
+
+    def begin(self, final: str) -> str:
+        # Writing in place: first withdraw any manifest of an earlier copy of this step, so that
+        # until our manifest lands the folder is uncommitted rather than mixed.
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(final, MANIFEST_NAME))
+        self.fs.makedirs(self._path(final), exist_ok=True)
+        return final
+
+    def open_write(self, folder: str, name: str) -> IO[bytes]:
+        handle: IO[bytes] = self.fs.open(self._path(folder, name), "wb")
+        return handle
+
+    def close_durably(self, handle: IO[bytes]) -> None:
+        handle.close()
+
+    def commit(self, folder: str, final: str) -> None:
+        if folder != final:
+            raise AssertionError(f"an fsspec store writes in place, got {folder!r} for {final!r}")
+
+    def open_read(self, folder: str, name: str) -> IO[bytes]:
+        handle: IO[bytes] = self.fs.open(self._path(folder, name), "rb")
+        return handle
+
+    def delete(self, folder: str) -> None:
+        # The manifest goes first: from then on the folder is not a checkpoint, whatever is
+        # left of it if we are interrupted.
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(folder, MANIFEST_NAME))
+        self.discard(folder)
+
+    def discard(self, folder: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._path(folder), recursive=True)
+
+    def recover(self, current: str) -> list[str]:
+        # Step folders without a manifest are writes that never committed.
+        from nbresume.checkpoint.format import parse_step_dirname
+
+        cleaned = []
+        for name in self.list_folders():
+            if name == current:
+                continue
+            hidden = name.startswith((TEMP_PREFIX, RETIRED_PREFIX))
+            if hidden or (
+                parse_step_dirname(name) is not None and MANIFEST_NAME not in self.list_files(name)
+            ):
+                self.discard(name)
+                cleaned.append(name)
+        return cleaned
+
+
+def open_store(location: str | os.PathLike[str]) -> Store:
+    """The store for a local path, a ``file://`` URL, or any other fsspec URL."""
+    text = os.fspath(location)
+    if "://" not in text:
+        return LocalStore(text)
+    protocol = text.split("://", 1)[0]
+    if protocol in ("file", "local"):
+        return LocalStore(text.split("://", 1)[1])
+    return FsspecStore(text)

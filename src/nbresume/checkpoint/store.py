@@ -1,0 +1,587 @@
+"""The verified checkpoint store: write, commit, verify, keep, load.
+
+The commit protocol (the code below does exactly this, in this order):
+
+1. Clean up after a killed writer: hidden temporary folders are removed; an older copy of a
+   step that was being replaced is put back if the new copy never landed.
+2. Check free bytes and inodes against the exact size of the checkpoint (every byte of it is
+   known before the first write). Refuse with both numbers and the fix when it does not fit.
+3. Write every payload file, hashing each byte on its way to the file (SHA-256, and MD5 for
+   stores that compare MD5s, such as Google Drive), and make each file durable.
+   On a POSIX folder this happens in a temporary sibling folder ``.nbresume-tmp-<step>-...``;
+   on an object store, in place, after the manifest of any earlier copy was withdrawn.
+4. Write ``manifest.json`` last: every file with its size and hash. It is the commit marker.
+5. POSIX only: fsync the temporary folder, rename it into place, fsync the parent folder.
+6. Verify: read every file back from the store and compare sizes and hashes with the manifest.
+   Only now is the checkpoint reported as saved.
+7. Retention: delete checkpoints beyond the policy, oldest first, each withdrawn from view in
+   one step (a rename on POSIX, the manifest first on object stores), so a kill at any moment
+   leaves only whole checkpoints.
+
+Any failure in 3-5 removes the partial folder and leaves every earlier checkpoint untouched.
+One writer per folder at a time is assumed (a second writer's leftovers would be cleaned).
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import IO, Any
+
+from nbresume.checkpoint import tensorfile
+from nbresume.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    is_valid_file_name,
+    parse_manifest,
+    parse_step_dirname,
+    step_dirname,
+)
+from nbresume.checkpoint.storage import Store, open_store
+from nbresume.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+    StorageFullError,
+)
+
+log = logging.getLogger("nbresume")
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+#: Slack on top of the exact checkpoint size: the manifest and file system metadata.
+SPACE_SLACK = 1 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as its manifest describes it (not yet re-verified)."""
+
+    step: int
+    name: str
+    location: str
+    manifest: Manifest
+
+    @property
+    def size(self) -> int:
+        return self.manifest.payload_bytes
+
+    @property
+    def metrics(self) -> Mapping[str, float]:
+        return self.manifest.metrics
+
+    @property
+    def created(self) -> str:
+        return self.manifest.created
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of checking one checkpoint folder against its manifest."""
+
+    name: str
+    step: int
+    location: str
+    ok: bool
+    problem: str = ""
+    size: int = 0
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"OK    {self.name}  step {self.step}  {format_bytes(self.size)}"
+        return f"FAIL  {self.name}  {self.problem}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Every checkpoint of a folder, checked."""
+
+    location: str
+    results: tuple[VerifyResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when there is at least one checkpoint and every one verified."""
+        return bool(self.results) and all(r.ok for r in self.results)
+
+    @property
+    def summary(self) -> str:
+        good = sum(r.ok for r in self.results)
+        return f"OK {good}/{len(self.results)}, errors {len(self.results) - good}"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint read back and verified: its tensors, its JSON documents and its manifest."""
+
+    step: int
+    location: str
+    manifest: Manifest
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    #: Newer checkpoints that failed verification and were passed over, newest first.
+    skipped: list[VerifyResult] = field(default_factory=list)
+
+
+KeepBest = tuple[str, str] | tuple[str, str, int]
+
+
+class CheckpointStore:
+    """A folder (path or fsspec URL) of verified checkpoints.
+
+    Args:
+        location: a local path, ``file://``, ``memory://`` or any fsspec URL.
+        keep: how many of the newest checkpoints to keep (``None`` keeps all).
+        keep_best: ``(metric, "min" | "max"[, count])``: also keep the best ``count``
+            (default: ``keep``) checkpoints by that metric.
+        md5: also record MD5 hashes (for stores that report MD5s, such as Google Drive).
+        check_space: refuse to start a save that would not fit (where free space is known).
+    """
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str] | Store,
+        *,
+        keep: int | None = 3,
+        keep_best: KeepBest | None = None,
+        md5: bool = False,
+        check_space: bool = True,
+    ) -> None:
+        self.store = location if isinstance(location, Store) else open_store(location)
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}")
+        self.keep = keep
+        self.keep_best = _check_keep_best(keep_best)
+        self.md5 = md5
+        self.check_space = check_space
+
+    @property
+    def location(self) -> str:
+        return self.store.location
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.location!r}, keep={self.keep})"
+
+    # -- writing -------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        *,
+        tensors: Mapping[str, Mapping[str, Any]] | None = None,
+        data: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> CheckpointInfo:
+        """Write, commit and verify the checkpoint of ``step``, then apply retention.
+
+        ``tensors`` maps a file stem to a flat ``{name: tensor}`` dict (one safetensors file
+        each); ``data`` maps a file stem to a JSON-serialisable value (one JSON file each).
+        Returns only after the checkpoint was read back and matched its manifest.
+        """
+        files = self._encode(tensors or {}, data or {})
+        final = step_dirname(step)
+        needed = sum(size for _, size, _ in files) + SPACE_SLACK
+        self.store.recover(current="")
+        if self.check_space:
+            self._check_space(needed, len(files) + 2)
+        folder = self.store.begin(final)
+        try:
+            entries = {name: self._write_file(folder, name, chunks) for name, _, chunks in files}
+            manifest = Manifest(
+                step=step,
+                files=entries,
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                metrics=_finite_metrics(metrics or {}),
+                writer=_writer_tag(),
+            )
+            manifest_bytes = manifest.to_bytes()
+            self._write_file(folder, MANIFEST_NAME, [manifest_bytes])
+            self.store.commit(folder, final)
+        except OSError as exc:
+            self.store.discard(folder)
+            raise self._translate(exc, needed) from exc
+        except BaseException:
+            self.store.discard(folder)
+            raise
+        info = CheckpointInfo(step, final, self.store.child(final), manifest)
+        result = self._verify_folder(final, expected_manifest=manifest_bytes)
+        if not result.ok:
+            # Committed but not what we wrote: never leave a known-bad checkpoint to be found.
+            self.store.delete(final)
+            raise CorruptCheckpointError(
+                f"checkpoint of step {step} did not verify after writing: {result.problem}",
+                where=info.location,
+                fix="the storage returned different bytes than were written; check the disk or "
+                "mount, then save again",
+            )
+        self.prune(verify_kept=False)
+        return info
+
+    def _encode(
+        self, tensors: Mapping[str, Mapping[str, Any]], data: Mapping[str, Any]
+    ) -> list[tuple[str, int, Iterable[bytes | memoryview]]]:
+        files: list[tuple[str, int, Iterable[bytes | memoryview]]] = []
+        for stem, group in tensors.items():
+            encoded = tensorfile.encode(group)
+            files.append(
+                (self._file_name(stem, "safetensors"), encoded.size, list(encoded.chunks()))
+            )
+        for stem, value in data.items():
+            try:
+                text = json.dumps(value, indent=1, sort_keys=True).encode()
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(
+                    f"the value saved as {stem!r} cannot be written as JSON: {exc}",
+                    fix="save tensors in `tensors=` and keep `data=` to numbers, strings, "
+                    "lists and dicts",
+                ) from None
+            files.append((self._file_name(stem, "json"), len(text), [text]))
+        if not files:
+            raise CheckpointError("nothing to save: pass tensors= or data=")
+        return files
+
+    @staticmethod
+    def _file_name(stem: str, kind: str) -> str:
+        name = f"{stem}.{kind}"
+        if not is_valid_file_name(name):
+            raise CheckpointError(
+                f"{stem!r} cannot name a checkpoint file",
+                fix="use letters, digits, '_', '-' and '.', not starting with '.'",
+            )
+        return name
+
+    def _write_file(
+        self, folder: str, name: str, chunks: Iterable[bytes | memoryview]
+    ) -> FileEntry:
+        sha = hashlib.sha256()
+        md5 = hashlib.md5(usedforsecurity=False) if self.md5 else None
+        size = 0
+        handle: IO[bytes] = self.store.open_write(folder, name)
+        try:
+            for chunk in chunks:
+                sha.update(chunk)
+                if md5 is not None:
+                    md5.update(chunk)
+                handle.write(chunk)
+                size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+        except BaseException:
+            handle.close()
+            raise
+        self.store.close_durably(handle)
+        return FileEntry(size=size, sha256=sha.hexdigest(), md5=md5.hexdigest() if md5 else None)
+
+    def _check_space(self, needed: int, inodes: int) -> None:
+        free = self.store.free_space()
+        if free.bytes is not None and free.bytes < needed:
+            raise StorageFullError(
+                f"{self.location} has {format_bytes(free.bytes)} free, "
+                f"the next checkpoint needs {format_bytes(needed)}",
+                where=self.location,
+                fix=self._space_fix(),
+                needed=needed,
+                free=free.bytes,
+            )
+        if free.inodes is not None and free.inodes < inodes:
+            raise StorageFullError(
+                f"{self.location} has {free.inodes} free inodes, "
+                f"the next checkpoint needs {inodes}",
+                where=self.location,
+                fix="delete small files there (caches, logs) or choose another dir=",
+                needed=needed,
+                free=free.bytes,
+            )
+
+    def _space_fix(self) -> str:
+        keep = "" if self.keep is None else f" (now {self.keep})"
+        return (
+            f"free space there, lower keep={keep} so fewer checkpoints are kept, "
+            "or choose a dir= on a larger disk"
+        )
+
+    def _translate(self, exc: OSError, needed: int) -> CheckpointError:
+        if exc.errno in _NO_SPACE:
+            free = self.store.free_space().bytes
+            seen = f"has {format_bytes(free)} free" if free is not None else "is full"
+            return StorageFullError(
+                f"{self.location} ran out of space while writing a checkpoint: it {seen}, "
+                f"the checkpoint needs {format_bytes(needed)}; the partial checkpoint was removed "
+                "and earlier ones are intact",
+                where=self.location,
+                fix=self._space_fix(),
+                needed=needed,
+                free=free,
+            )
+        return StorageError(
+            f"writing a checkpoint failed: {exc}",
+            where=self.location,
+            fix="check that the folder is writable and its mount is alive, then save again",
+        )
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _checkpoint_folders(self) -> list[tuple[int, str]]:
+        """(step, name) of every folder named like a checkpoint, newest first."""
+        found = []
+        for name in self.store.list_folders():
+            step = parse_step_dirname(name)
+            if step is not None:
+                found.append((step, name))
+        return sorted(found, reverse=True)
+
+    def _read_manifest(self, name: str, step: int) -> Manifest:
+        where = self.store.child(name, MANIFEST_NAME)
+        try:
+            raw = self.store.read_bytes(name, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                "no manifest: the checkpoint was never committed", where=self.store.child(name)
+            ) from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read the manifest: {exc}", where=where) from None
+        return parse_manifest(bytes(raw), where=where, expected_step=step)
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        """Committed checkpoints (a manifest that parses), oldest first. Nothing is hashed."""
+        infos = []
+        for step, name in reversed(self._checkpoint_folders()):
+            try:
+                manifest = self._read_manifest(name, step)
+            except CorruptCheckpointError:
+                continue
+            infos.append(CheckpointInfo(step, name, self.store.child(name), manifest))
+        return infos
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint (its files are not re-hashed; see :meth:`verify`)."""
+        infos = self.list()
+        return infos[-1] if infos else None
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Read back every checkpoint (or the one of ``step``) and compare it with its manifest."""
+        results = []
+        for found_step, name in reversed(self._checkpoint_folders()):
+            if step is None or found_step == step:
+                results.append(self._verify_folder(name))
+        return VerifyReport(self.location, tuple(results))
+
+    def _verify_folder(self, name: str, expected_manifest: bytes | None = None) -> VerifyResult:
+        step = parse_step_dirname(name)
+        assert step is not None
+        location = self.store.child(name)
+        try:
+            manifest = self._read_manifest(name, step)
+            if expected_manifest is not None and manifest.to_bytes() != expected_manifest:
+                raise CorruptCheckpointError("the manifest read back differs", where=location)
+            for file_name, entry in manifest.files.items():
+                sha = hashlib.sha256()
+                md5 = hashlib.md5(usedforsecurity=False) if entry.md5 else None
+                size = 0
+                for chunk in self.store.iter_chunks(name, file_name):
+                    sha.update(chunk)
+                    if md5 is not None:
+                        md5.update(chunk)
+                    size += len(chunk)
+                    if size > entry.size:
+                        break
+                _check_file(self.store.child(name, file_name), entry, size, sha.hexdigest(), md5)
+        except CorruptCheckpointError as exc:
+            return VerifyResult(name, step, location, ok=False, problem=str(exc))
+        except FileNotFoundError as exc:
+            return VerifyResult(
+                name, step, location, ok=False, problem=f"missing file: {exc.filename or exc}"
+            )
+        except OSError as exc:
+            return VerifyResult(name, step, location, ok=False, problem=f"cannot read: {exc}")
+        return VerifyResult(name, step, location, ok=True, size=manifest.payload_bytes)
+
+    def load(self, step: int | None = None, *, framework: str = "torch") -> LoadedCheckpoint:
+        """The newest checkpoint that verifies (or exactly the one of ``step``).
+
+        Every file is read once: its hash is checked against the manifest before it is parsed.
+        A newer checkpoint that fails is skipped with a warning naming the file and the reason.
+        Raises :class:`NoCheckpointError` when none verifies.
+        """
+        skipped: list[VerifyResult] = []
+        candidates = [(s, n) for s, n in self._checkpoint_folders() if step is None or s == step]
+        for found_step, name in candidates:
+            try:
+                loaded = self._load_folder(found_step, name, framework)
+            except CorruptCheckpointError as exc:
+                skipped.append(
+                    VerifyResult(name, found_step, self.store.child(name), False, str(exc))
+                )
+                continue
+            loaded.skipped = skipped
+            if skipped:
+                message = "; ".join(r.problem for r in skipped)
+                warnings.warn(
+                    f"nbresume: skipped {len(skipped)} newer checkpoint(s) that failed "
+                    f"verification ({message}); using step {found_step}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return loaded
+        if step is not None and not candidates:
+            raise NoCheckpointError(f"there is no checkpoint of step {step}", where=self.location)
+        if skipped:
+            raise NoCheckpointError(
+                f"no checkpoint verifies ({len(skipped)} checked): "
+                + "; ".join(r.problem for r in skipped),
+                where=self.location,
+                fix="run `nbresume verify` on the folder for details",
+            )
+        raise NoCheckpointError("there is no checkpoint yet", where=self.location)
+
+    def _load_folder(self, step: int, name: str, framework: str) -> LoadedCheckpoint:
+        manifest = self._read_manifest(name, step)
+        loaded = LoadedCheckpoint(step, self.store.child(name), manifest)
+        for file_name, entry in manifest.files.items():
+            where = self.store.child(name, file_name)
+            try:
+                buffer = self.store.read_bytes(name, file_name, limit=entry.size)
+            except FileNotFoundError:
+                raise CorruptCheckpointError("the file is missing", where=where) from None
+            except OSError as exc:
+                raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
+            md5 = hashlib.md5(buffer, usedforsecurity=False) if entry.md5 else None
+            _check_file(where, entry, len(buffer), hashlib.sha256(buffer).hexdigest(), md5)
+            stem, kind = file_name.rsplit(".", 1)
+            if kind == "safetensors":
+                loaded.tensors[stem] = tensorfile.decode(buffer, where=where, framework=framework)
+            else:
+                try:
+                    loaded.data[stem] = json.loads(buffer.decode("utf-8"))
+                except (UnicodeDecodeError, ValueError, RecursionError):
+                    raise CorruptCheckpointError("not valid JSON", where=where) from None
+        return loaded
+
+    # -- retention -----------------------------------------------------------------------
+
+    def prune(
+        self,
+        keep: int | None = None,
+        keep_best: KeepBest | None = None,
+        *,
+        verify_kept: bool = True,
+    ) -> builtins.list[int]:
+        """Delete checkpoints beyond the retention policy, oldest first; return their steps.
+
+        The newest ``keep`` checkpoints are kept, plus the best by ``keep_best``. With
+        ``verify_kept`` (the default) only checkpoints that verify count as kept, so nothing is
+        deleted on the strength of a corrupt newer copy; folders that fail are reported by
+        :meth:`verify` and never deleted here.
+        """
+        keep = self.keep if keep is None else keep
+        best = self.keep_best if keep_best is None else _check_keep_best(keep_best)
+        if keep is None:
+            return []
+        infos = self.list()  # oldest first
+        verdicts: dict[str, bool] = {}
+
+        def verified(info: CheckpointInfo) -> bool:
+            if not verify_kept:
+                return True
+            if info.name not in verdicts:
+                verdicts[info.name] = self._verify_folder(info.name).ok
+            return verdicts[info.name]
+
+        kept: list[CheckpointInfo] = []
+        for info in reversed(infos):
+            if len(kept) == keep:
+                break
+            if verified(info):
+                kept.append(info)
+        if best is not None:
+            metric, mode, count = best
+            ranked = sorted(
+                (i for i in infos if metric in i.metrics),
+                key=lambda i: i.metrics[metric],
+                reverse=(mode == "max"),
+            )
+            kept += [i for i in ranked if verified(i)][: count or keep]
+        kept_names = {i.name for i in kept}
+        newest_kept = max((i.step for i in kept), default=-1)
+        deleted = []
+        for info in infos:
+            # Never delete what is newer than every kept checkpoint, nor a checkpoint that
+            # failed verification (it is reported by verify(), and left for the user to inspect).
+            if (
+                info.name in kept_names
+                or info.step >= newest_kept
+                or not verdicts.get(info.name, True)
+            ):
+                continue
+            self.store.delete(info.name)
+            deleted.append(info.step)
+        return deleted
+
+
+def _check_file(where: str, entry: FileEntry, size: int, sha256: str, md5: Any) -> None:
+    if size != entry.size:
+        relation = "larger" if size > entry.size else "smaller"
+        raise CorruptCheckpointError(
+            f"size mismatch: the manifest says {entry.size} bytes, the file is {relation}"
+            + ("" if size > entry.size else f" ({size} bytes)"),
+            where=where,
+        )
+    if sha256 != entry.sha256:
+        raise CorruptCheckpointError("sha256 mismatch: the file's bytes have changed", where=where)
+    if md5 is not None and md5.hexdigest() != entry.md5:
+        raise CorruptCheckpointError("md5 mismatch: the file's bytes have changed", where=where)
+
+
+def _check_keep_best(keep_best: KeepBest | None) -> tuple[str, str, int] | None:
+    if keep_best is None:
+        return None
+    metric, mode = keep_best[0], keep_best[1]
+    count = keep_best[2] if len(keep_best) == 3 else 0
+    if mode not in ("min", "max"):
+        raise ValueError(f"keep_best mode must be 'min' or 'max', got {mode!r}")
+    if not isinstance(count, int) or count < 0:
+        raise ValueError(f"keep_best count must be a positive integer, got {count!r}")
+    return str(metric), mode, count
+
+
+def _finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        number = float(value)
+        if math.isfinite(number):
+            out[str(key)] = number
+        else:
+            log.warning("nbresume: metric %r is %s and is not recorded", key, number)
+    return out
+
+
+def _writer_tag() -> str:
+    from nbresume import __version__
+
+    return f"nbresume {__version__}"
+
+
+def format_bytes(count: int | None) -> str:
+    """``1234567`` -> ``"1.2 MB"`` (decimal units, as disk tools and quotas show them)."""
+    if count is None:
+        return "unknown"
+    value = float(count)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def verify(location: str | os.PathLike[str]) -> VerifyReport:
+    """Check every checkpoint in ``location`` against its manifest (reads every byte once)."""
+    return CheckpointStore(location).verify()

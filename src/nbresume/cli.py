@@ -1,0 +1,129 @@
+"""The ``nbresume`` command. Thin: it parses arguments and calls the modules that do the work.
+
+Exit status: 0 success, 1 failure (for ``verify``: any checkpoint that does not verify),
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from nbresume.errors import NbresumeError
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from nbresume.checkpoint.store import CheckpointStore, format_bytes
+
+    store = CheckpointStore(args.dir, keep=None)
+    infos = store.list()
+    if not infos:
+        print(f"no committed checkpoints in {store.location}")
+        return 0
+    print(f"{'step':>12}  {'size':>9}  {'created':<25}  metrics")
+    for info in infos:
+        metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(info.metrics.items()))
+        print(f"{info.step:>12}  {format_bytes(info.size):>9}  {info.created:<25}  {metrics}")
+    print(f"{len(infos)} checkpoint(s) in {store.location} (not re-hashed: run `nbresume verify`)")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from nbresume.checkpoint.store import CheckpointStore
+
+    report = CheckpointStore(args.dir, keep=None).verify()
+    for result in report.results:
+        print(result)
+    if not report.results:
+        print(f"no checkpoints in {report.location}: nothing verified")
+        return 1
+    print(report.summary)
+    return 0 if report.ok else 1
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from nbresume.checkpoint.store import CheckpointStore
+
+    keep_best = None
+    if args.best:
+        metric, _, mode = args.best.partition(":")
+        keep_best = (metric, mode or "min", args.best_count or args.keep)
+    store = CheckpointStore(args.dir, keep=args.keep, keep_best=keep_best)
+    deleted = store.prune()
+    left = [i.step for i in store.list()]
+    print(f"deleted {len(deleted)} checkpoint(s): {deleted or 'none'}; kept steps {left}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from nbresume.demo import run_demo
+
+    return run_demo(args.dir, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nbresume import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="nbresume",
+        description="Verified checkpoints and exact resume for long PyTorch training.",
+    )
+    parser.add_argument("--version", action="version", version=f"nbresume {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("ls", help="list the committed checkpoints of a folder")
+    p.add_argument("dir", help="checkpoint folder: a path or an fsspec URL")
+    p.set_defaults(func=_cmd_ls)
+
+    p = sub.add_parser("verify", help="read back every checkpoint and compare it with its manifest")
+    p.add_argument("dir", help="checkpoint folder: a path or an fsspec URL")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("prune", help="delete all but the newest (and best) verified checkpoints")
+    p.add_argument("dir", help="checkpoint folder: a path or an fsspec URL")
+    p.add_argument("--keep", type=_positive_int, required=True, help="how many newest to keep")
+    p.add_argument("--best", metavar="METRIC[:min|max]", help="also keep the best by a metric")
+    p.add_argument(
+        "--best-count", type=_positive_int, help="how many best to keep (default --keep)"
+    )
+    p.set_defaults(func=_cmd_prune)
+
+    p = sub.add_parser("demo", help="show the promise: save, kill -9, restore, verify")
+    p.add_argument(
+        "--dir", default="nbresume-demo", help="folder for the demo (default ./nbresume-demo)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="make the random kill reproducible")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "best", None) and args.best.partition(":")[2] not in ("", "min", "max"):
+        parser.error(f"--best {args.best}: the mode after ':' must be min or max")
+    try:
+        status: int = args.func(args)
+    except NbresumeError as exc:
+        print(f"nbresume {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"nbresume {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Every error nbresume raises: one base class, subclasses named after the domain.
+
+Each error says where it happened, what went wrong and what to do about it, and keeps those
+parts as attributes so that a panel or a log line can show them separately.
+"""
+
+from __future__ import annotations
+
+
+class NbresumeError(Exception):
+    """Base class of nbresume's errors.
+
+    Attributes:
+        where: the place the error is about (a folder, a file, a URL), or ``""``.
+        fix: what the user can do about it, in their words, or ``""``.
+    """
+
+    def __init__(self, message: str, *, where: str = "", fix: str = "") -> None:
+        self.message = message
+        self.where = where
+        self.fix = fix
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        text = self.message
+        if self.where and self.where not in text:
+            text = f"{self.where}: {text}"
+        if self.fix:
+            text = (
+                f"{text}. Fix: {self.fix}" if not text.endswith(".") else f"{text} Fix: {self.fix}"
+            )
+        return text
+
+
+class CheckpointError(NbresumeError):
+    """A checkpoint could not be written, read or verified."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint exists but does not match its manifest, or its files are malformed."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No committed checkpoint that verifies was found."""
+
+
+class StorageFullError(CheckpointError):
+    """The durable folder has too few free bytes or inodes for the next checkpoint.
+
+    Attributes:
+        needed: bytes the checkpoint needs.
+        free: bytes free when the check ran (``None`` when the store cannot tell).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        where: str = "",
+        fix: str = "",
+        needed: int = 0,
+        free: int | None = None,
+    ) -> None:
+        self.needed = needed
+        self.free = free
+        super().__init__(message, where=where, fix=fix)
+
+
+class StorageError(CheckpointError):
+    """The storage backend failed (permissions, a vanished mount, a network store error)."""
+
+
+class UsageError(NbresumeError):
+    """nbresume was called in a way it does not support."""
