@@ -16,6 +16,7 @@ written by anyone: nothing in a manifest is trusted until it has been validated 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -165,11 +166,8 @@ def parse_manifest(data: bytes, *, where: str, expected_step: int | None = None)
             raise bad(f"md5 of {name!r} is not 32 lowercase hex digits")
         entries[name] = FileEntry(size=size, sha256=sha256, md5=md5)
     metrics = document.get("metrics", {})
-    if not isinstance(metrics, dict) or not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-        for k, v in metrics.items()
-    ):
-        raise bad("'metrics' is not an object of numbers")
+    if not isinstance(metrics, dict) or not all(_is_finite(v) for v in metrics.values()):
+        raise bad("'metrics' is not an object of finite numbers")
     created = document.get("created", "")
     writer = document.get("writer", "")
     if not isinstance(created, str) or not isinstance(writer, str):
@@ -186,6 +184,16 @@ def parse_manifest(data: bytes, *, where: str, expected_step: int | None = None)
 
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    # JSON reads 1e999 as inf, and an integer too large for a float cannot become a metric.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _reject_constant(name: str) -> Any:

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from nbresume.errors import CorruptCheckpointError
+from nbresume.errors import CheckpointError, CorruptCheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # the official library's own limit
 _ALIGN = 8
@@ -221,7 +221,25 @@ def parse_header(
 
 def decode(buffer: bytearray, *, where: str, framework: str = "torch") -> dict[str, Any]:
     """Tensors of a safetensors file held in ``buffer`` (shared with it, not copied)."""
+    if framework not in ("torch", "numpy"):
+        raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
     data_start, specs, _ = parse_header(buffer, where=where)
+    try:
+        return _decode(buffer, data_start, specs, where, framework)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        # A shape the header allows but the framework cannot build (a zero-sized tensor with
+        # a dimension beyond 2**63, more dimensions than NumPy supports). torch appends a C++
+        # stack to its messages: keep the first line.
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CorruptCheckpointError(
+            f"not a valid safetensors file: a tensor's shape cannot be built ({reason})",
+            where=where,
+        ) from None
+
+
+def _decode(
+    buffer: bytearray, data_start: int, specs: Mapping[str, TensorSpec], where: str, framework: str
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if framework == "torch":
         import torch
@@ -236,13 +254,15 @@ def decode(buffer: bytearray, *, where: str, framework: str = "torch") -> dict[s
                     buffer, dtype=dtype, count=count, offset=data_start + spec.start
                 )
                 out[name] = flat.reshape(spec.shape)
-    elif framework == "numpy":
+    else:
         import numpy as np
 
         for name, spec in specs.items():
             np_dtype = _DTYPES[spec.dtype][2]
             if np_dtype is None:
-                raise CorruptCheckpointError(
+                # Not corruption: the file is fine, the caller asked for the wrong framework
+                # (raising CorruptCheckpointError would make load() fall back to older steps).
+                raise CheckpointError(
                     f"tensor {name!r} has dtype {spec.dtype}, which NumPy cannot hold",
                     where=where,
                     fix="load it with framework='torch'",
@@ -251,8 +271,6 @@ def decode(buffer: bytearray, *, where: str, framework: str = "torch") -> dict[s
             out[name] = np.frombuffer(
                 buffer, dtype=np_dtype, count=count, offset=data_start + spec.start
             ).reshape(spec.shape)
-    else:
-        raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
     return out
 
 

@@ -1,0 +1,84 @@
+"""Fixtures shared by the checkpoint tests.
+
+The helpers here build checkpoint folders the way a stranger would: from the format's
+specification (docs/format.md), with plain ``json`` and ``hashlib``, never through nbresume's
+own writer, so that a test of the reader cannot pass merely because reader and writer agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: Writes a manifest naming ``files`` (default: every file in the folder) with their true
+#: sizes and SHA-256; ``overrides`` replace top-level fields, ``entries`` replace file entries.
+ForgeManifest = Callable[..., Path]
+
+
+def spec_manifest(
+    folder: Path,
+    *,
+    step: int | None = None,
+    files: Iterable[str] | None = None,
+    entries: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write ``folder/manifest.json`` as the format specification describes it."""
+    names = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json" and not p.is_dir())
+    if files is not None:
+        names = list(files)
+    listed: dict[str, Any] = {}
+    for name in names:
+        data = (folder / name).read_bytes() if (folder / name).exists() else b""
+        listed[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    listed.update(entries or {})
+    document: dict[str, Any] = {
+        "format": "nbresume-checkpoint",
+        "format_version": 1,
+        "step": int(folder.name) if step is None else step,
+        "created": "2024-01-01T00:00:00+00:00",
+        "writer": "by hand",
+        "metrics": {},
+        "files": listed,
+    }
+    document.update(overrides)
+    path = folder / "manifest.json"
+    path.write_text(json.dumps(document, indent=1))
+    return path
+
+
+@pytest.fixture
+def forge_manifest() -> ForgeManifest:
+    return spec_manifest
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path: Path) -> Path:
+    """A checkpoint folder that does not exist yet (the store creates it)."""
+    return tmp_path / "runs" / "exp1"
+
+
+def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
+    """Flip one bit of a file in place (``offset`` may be negative, from the end)."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def flip() -> Callable[[Path, int], None]:
+    return flip_bit
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def sha256() -> Callable[[Path], str]:
+    return sha256_of
