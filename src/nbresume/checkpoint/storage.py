@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
+from nbresume.errors import StorageError
 
 READ_CHUNK = 8 << 20
 
@@ -135,6 +136,12 @@ class LocalStore(Store):
                 return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            raise StorageError(
+                "this is a file, not a folder",
+                where=str(self.root),
+                fix="choose a folder for the checkpoints (it is created if it does not exist)",
+            ) from None
 
     def list_files(self, folder: str) -> list[str]:
         with os.scandir(self.root / folder) as entries:
