@@ -7,6 +7,9 @@ they are used.
 
 from __future__ import annotations
 
+from nbresume.checkpoint.checkpointer import Checkpointer
+from nbresume.checkpoint.data import ResumableLoader, sample_generator, sample_seed
+from nbresume.checkpoint.events import Event
 from nbresume.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
@@ -30,14 +33,19 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointStore",
+    "Checkpointer",
     "CorruptCheckpointError",
+    "Event",
     "LoadedCheckpoint",
     "NbresumeError",
     "NoCheckpointError",
+    "ResumableLoader",
     "StorageError",
     "StorageFullError",
     "VerifyReport",
     "VerifyResult",
     "__version__",
+    "sample_generator",
+    "sample_seed",
     "verify",
 ]

@@ -1,0 +1,97 @@
+"""When to save: every N steps, every duration, or the Young/Daly optimum.
+
+Young/Daly: with checkpoint cost C and mean time between interruptions M, the interval that
+loses the least expected work is W = sqrt(2 * M * C). nbresume measures C (the time a save
+takes) and the time a step takes, and rounds W down to a whole number of steps.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|secs|m|min|mins|h|hr|hrs|d)?\s*", re.I)
+_UNIT_SECONDS = {
+    None: 1.0, "ms": 0.001, "s": 1.0, "sec": 1.0, "secs": 1.0, "m": 60.0, "min": 60.0,
+    "mins": 60.0, "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "d": 86400.0,
+}  # fmt: skip
+
+#: Until the first save has been measured, "auto" saves after this many seconds.
+AUTO_FIRST_SAVE_S = 120.0
+
+
+def parse_duration(text: str) -> float:
+    """``"15min"`` -> 900.0; ``"2h"``, ``"90s"``, ``"1.5h"`` likewise. Raises ValueError."""
+    match = _DURATION.fullmatch(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration such as '90s', '15min' or '2h'")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2) and match.group(2).lower()]
+
+
+def young_daly_seconds(save_cost_s: float, mtbf_s: float) -> float:
+    """The optimal checkpoint interval in seconds, sqrt(2 * MTBF * C)."""
+    return math.sqrt(2.0 * mtbf_s * max(save_cost_s, 1e-6))
+
+
+class Cadence:
+    """Decides at each step boundary whether a save is due.
+
+    ``every`` is an int (steps), a duration string, a number of seconds as a float, ``"auto"``
+    or ``None`` (never on cadence; saves still happen at the end, on signals and deadlines).
+    """
+
+    def __init__(self, every: int | float | str | None, *, mtbf_s: float = 6 * 3600.0) -> None:
+        self.steps: int | None = None
+        self.seconds: float | None = None
+        self.auto = False
+        self.mtbf_s = mtbf_s
+        if every is None:
+            pass
+        elif isinstance(every, bool):
+            raise ValueError("every= must be steps, a duration or 'auto', not a bool")
+        elif isinstance(every, int):
+            if every < 1:
+                raise ValueError(f"every= must be at least 1 step, got {every}")
+            self.steps = every
+        elif isinstance(every, float):
+            self.seconds = every
+        elif every == "auto":
+            self.auto = True
+        else:
+            self.seconds = parse_duration(every)
+        self.save_cost_s: float | None = None
+        self.step_time_s: float | None = None
+
+    def observe_save(self, seconds: float) -> None:
+        self.save_cost_s = (
+            seconds if self.save_cost_s is None else 0.5 * (self.save_cost_s + seconds)
+        )
+
+    def observe_step(self, seconds: float) -> None:
+        alpha = 0.1
+        self.step_time_s = (
+            seconds
+            if self.step_time_s is None
+            else ((1 - alpha) * self.step_time_s + alpha * seconds)
+        )
+
+    def interval_steps(self) -> int | None:
+        """The current "auto" interval in steps (``None`` until it can be computed)."""
+        if not self.auto or self.save_cost_s is None or not self.step_time_s:
+            return None
+        seconds = young_daly_seconds(self.save_cost_s, self.mtbf_s)
+        return max(1, math.floor(seconds / self.step_time_s))
+
+    def due(self, steps_since: int, seconds_since: float) -> bool:
+        """Whether a save is due ``steps_since`` steps and ``seconds_since`` seconds after the
+        last one."""
+        if self.steps is not None:
+            return steps_since >= self.steps
+        if self.seconds is not None:
+            return seconds_since >= self.seconds
+        if self.auto:
+            interval = self.interval_steps()
+            if interval is None:
+                return seconds_since >= AUTO_FIRST_SAVE_S
+            return steps_since >= interval
+        return False

@@ -1,0 +1,630 @@
+"""The training-loop side of the core: full state, exact resume, async saves, stops.
+
+A :class:`Checkpointer` owns named stateful objects (anything with ``state_dict()`` and
+``load_state_dict()``) and plain values, and turns them into checkpoints of the store::
+
+    <step>/model.safetensors       one tensor file per object that has tensors
+    <step>/optimizer.safetensors
+    <step>/rng.safetensors         torch CPU and CUDA generator states
+    <step>/state.json              everything else: trees, step, epoch, RNGs, data position
+
+Saves happen only at step boundaries. A background save first copies every tensor into host
+buffers that are reused from one save to the next (pinned when the tensor lives on CUDA), so
+training is blocked only for that copy; writing, committing and verifying run in a thread.
+At most one save is in flight: the next one waits for it, which bounds memory to one copy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from types import FrameType
+from typing import Any
+
+from nbresume.checkpoint import events as ev
+from nbresume.checkpoint.cadence import Cadence
+from nbresume.checkpoint.data import ResumableLoader
+from nbresume.checkpoint.deadline import resolve_deadline
+from nbresume.checkpoint.state import capture_rng, flatten, restore_rng, unflatten
+from nbresume.checkpoint.store import (
+    CheckpointInfo,
+    CheckpointStore,
+    KeepBest,
+    VerifyReport,
+)
+from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, UsageError
+
+log = logging.getLogger("nbresume")
+
+STATE_FILE = "state"
+RNG_GROUP = "rng"
+VALUES_GROUP = "values"
+_RESERVED = {STATE_FILE, RNG_GROUP, VALUES_GROUP, "manifest"}
+STATE_VERSION = 1
+
+
+class _Snapshot:
+    """Everything one checkpoint holds, detached from the live training objects."""
+
+    def __init__(self, step: int, tensors: dict[str, dict[str, Any]], state: dict[str, Any],
+                 metrics: dict[str, float]) -> None:  # fmt: skip
+        self.step = step
+        self.tensors = tensors
+        self.state = state
+        self.metrics = metrics
+
+
+class _HostBuffers:
+    """Host copies of tensors, reused across saves so that a save allocates nothing new."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], Any] = {}
+
+    def copy(self, tensors: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        cuda = False
+        for group, members in tensors.items():
+            out[group] = {}
+            for key, value in members.items():
+                out[group][key] = self._copy_one((group, key), value)
+                cuda = cuda or getattr(value, "is_cuda", False)
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize()  # the non-blocking copies must land before the write
+        return out
+
+    def _copy_one(self, slot: tuple[str, str], value: Any) -> Any:
+        if type(value).__module__.startswith("numpy"):
+            import numpy as np
+
+            buffer = self._buffers.get(slot)
+            if (
+                not isinstance(buffer, np.ndarray)
+                or buffer.shape != value.shape
+                or (buffer.dtype != value.dtype)
+            ):
+                buffer = np.empty_like(value)
+                self._buffers[slot] = buffer
+            np.copyto(buffer, value)
+            return buffer
+        import torch
+
+        source = value.detach()
+        buffer = self._buffers.get(slot)
+        if (
+            not isinstance(buffer, torch.Tensor)
+            or buffer.shape != source.shape
+            or buffer.dtype != source.dtype
+        ):
+            buffer = torch.empty(
+                source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda
+            )
+            self._buffers[slot] = buffer
+        buffer.copy_(source, non_blocking=source.is_cuda)
+        return buffer
+
+
+class _BackgroundSave:
+    """At most one save running in a thread; its failure is kept until someone asks."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, work: Callable[[], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # kept and raised in the training thread
+                self._error = exc
+
+        # Not a daemon: an interpreter that is exiting still finishes the save in flight.
+        self._thread = threading.Thread(target=run, name="nbresume-save", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def take_error(self) -> BaseException | None:
+        error, self._error = self._error, None
+        return error
+
+
+class Checkpointer:
+    """Save and resume full training state, exactly.
+
+    Args:
+        dir: where checkpoints live: a local path or an fsspec URL.
+        every: save cadence: steps (``500``), a duration (``"15min"``), ``"auto"`` (the
+            Young/Daly interval from the measured save cost) or ``None`` (only at the end, at a
+            deadline or on a signal).
+        keep: how many of the newest checkpoints to keep.
+        keep_best: ``(metric, "min" | "max")``: also keep the best checkpoints by a metric
+            passed to :meth:`save`.
+        deadline: ``"auto"`` (the platform's session cap), seconds from now, a duration, or
+            ``None``. Before it, :meth:`steps` saves and returns cleanly, leaving ``done`` false.
+        async_save: write, commit and verify in the background (training waits only for a copy
+            of the state into host memory).
+        callbacks: callables that receive every :class:`~nbresume.checkpoint.events.Event`.
+        **state: named stateful objects (model, optimizer, scheduler, GradScaler, a
+            StatefulDataLoader, a DataLoader) and plain JSON values.
+    """
+
+    def __init__(
+        self,
+        dir: str | Any,
+        *,
+        every: int | float | str | None = "auto",
+        keep: int | None = 3,
+        keep_best: KeepBest | None = None,
+        deadline: float | int | str | None = "auto",
+        async_save: bool = True,
+        callbacks: list[ev.Callback] | None = None,
+        **state: Any,
+    ) -> None:
+        self.store = CheckpointStore(dir, keep=keep, keep_best=keep_best)
+        self.cadence = Cadence(every)
+        self.async_save = async_save
+        self.events = ev.EventBus(callbacks)
+        self.deadline, self.deadline_source = resolve_deadline(deadline)
+        self._explicit_deadline = deadline not in (None, "auto")
+        self._keep_best = keep_best
+        self._objects: dict[str, Any] = {}
+        self._values: dict[str, Any] = {}
+        for name, value in state.items():
+            self._register(name, value)
+        self.step = 0
+        self.epoch = 0
+        self.total: int | None = None
+        self.done = False
+        self.restored_step: int | None = None
+        self.stop_reason = ""
+        self._restored = False
+        self._pending_objects: dict[str, Any] = {}  # restored state of objects not yet registered
+        self._buffers = _HostBuffers()
+        self._background = _BackgroundSave()
+        self._last_saved_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self._stop_signal: int | None = None
+        self._in_loop = False
+        atexit.register(self._at_exit)
+
+    # -- registration ----------------------------------------------------------------------
+
+    def _register(self, name: str, value: Any) -> None:
+        if name in _RESERVED or not name.isidentifier():
+            raise UsageError(
+                f"{name!r} cannot name checkpointed state",
+                fix=f"choose another keyword than {sorted(_RESERVED)}",
+            )
+        if _is_dataloader(value):
+            value = ResumableLoader(value)
+        if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+            self._objects[name] = value
+            if isinstance(value, ResumableLoader):
+                value._on_batch = None
+        else:
+            flatten(value, name=name)  # refuse what cannot be stored, now rather than at save
+            self._values[name] = value
+
+    def __getitem__(self, name: str) -> Any:
+        """A plain value (``ckpt["best_acc"]``), as restored or as last set."""
+        if name in self._values:
+            return self._values[name]
+        if name in self._objects:
+            return self._objects[name]
+        raise KeyError(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        """Set a plain value that is saved with the next checkpoint."""
+        if name in self._objects:
+            raise UsageError(f"{name!r} is a stateful object; it cannot be replaced by a value")
+        self._register(name, value)
+
+    def loader(self, dataloader: Any = None, *, seed: int | None = None) -> ResumableLoader:
+        """A wrapper around ``dataloader`` that resumes mid-epoch at the exact next batch.
+
+        Without an argument, the DataLoader given to the constructor. A torchdata
+        StatefulDataLoader needs no wrapper: pass it as a stateful object instead.
+        """
+        for value in self._objects.values():
+            if isinstance(value, ResumableLoader) and (
+                dataloader is None or value.loader is dataloader
+            ):
+                return value
+        if dataloader is None:
+            raise UsageError("no DataLoader was given to the Checkpointer", fix="ckpt.loader(dl)")
+        name = "loader" if "loader" not in self._objects else f"loader{len(self._objects)}"
+        wrapped = ResumableLoader(dataloader, seed=seed)
+        self._objects[name] = wrapped
+        if name in self._pending_objects:
+            self._load_object(name, wrapped, self._pending_objects.pop(name))
+        return wrapped
+
+    # -- restore ---------------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest checkpoint that verifies into every object; return the step to
+        continue from (0 when there is none). Unconditional and idempotent: calling it again
+        changes nothing."""
+        self._raise_background_error()
+        if self._restored:
+            return self.step
+        self._restored = True
+        try:
+            loaded = self.store.load()
+        except NoCheckpointError:
+            if self.store.verify().results:
+                raise  # checkpoints exist but none verifies: starting over would hide that
+            return 0
+        state = loaded.data.get(STATE_FILE)
+        where = loaded.location
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise CorruptCheckpointError(
+                "state.json is missing or of an unknown version", where=where
+            )
+        try:
+            objects = state["objects"]
+            for name, document in objects.items():
+                tree = unflatten(document, loaded.tensors.get(name, {}), where=where)
+                if name in self._objects:
+                    self._load_object(name, self._objects[name], tree)
+                else:
+                    self._pending_objects[name] = tree
+            for name in self._objects.keys() - objects.keys():
+                warnings.warn(
+                    f"nbresume: the checkpoint at {where} holds no state for {name!r}; "
+                    "it keeps its current state",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            values = unflatten(state.get("values", {}), loaded.tensors.get(VALUES_GROUP, {}),
+                               where=where)  # fmt: skip
+            self._values.update(values)
+            restore_rng(unflatten(state["rng"], loaded.tensors.get(RNG_GROUP, {}), where=where))
+            self.step = int(state["step"])
+            self.epoch = int(state["epoch"])
+            saved_total = state.get("total")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"state.json is incomplete: {exc}", where=where) from None
+        self.done = bool(state.get("done")) and (saved_total is None or self.step >= saved_total)
+        self.restored_step = self.step
+        self._last_saved_step = self.step
+        log.info("nbresume: resumed from step %d (%s)", self.step, where)
+        return self.step
+
+    @staticmethod
+    def _load_object(name: str, obj: Any, tree: Any) -> None:
+        try:
+            obj.load_state_dict(tree)
+        except Exception as exc:
+            raise CheckpointError(
+                f"restoring {name!r} failed: {exc}",
+                fix="the object must be built exactly as in the run that saved it "
+                "(same model, optimizer and parameter groups)",
+            ) from exc
+
+    # -- save ------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int | None = None,
+        *,
+        metric: float | Mapping[str, float] | None = None,
+        block: bool = False,
+    ) -> CheckpointInfo | None:
+        """Save the state now (at a step boundary).
+
+        With ``async_save`` and ``block=False`` this returns once the state is copied to host
+        memory and the write runs in the background; otherwise it returns the verified
+        checkpoint. ``metric`` is a number (named by ``keep_best``) or a dict of numbers.
+        """
+        self._raise_background_error()
+        step = self.step if step is None else step
+        metrics = self._metrics(metric)
+        background = self.async_save and not block
+        self._background.wait()  # one save in flight at most; the buffers are reused
+        self._raise_background_error()
+        snapshot = self._capture(step, metrics, copy=background)
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        if background:
+
+            def write() -> None:
+                self._write(snapshot)
+
+            self._background.start(write)
+            return None
+        return self._write(snapshot)
+
+    def _metrics(self, metric: float | Mapping[str, float] | None) -> dict[str, float]:
+        if metric is None:
+            return {}
+        if isinstance(metric, Mapping):
+            return {str(k): float(v) for k, v in metric.items()}
+        name = self._keep_best[0] if self._keep_best else "metric"
+        return {name: float(metric)}
+
+    def _capture(self, step: int, metrics: dict[str, float], *, copy: bool) -> _Snapshot:
+        tensors: dict[str, dict[str, Any]] = {}
+        documents: dict[str, Any] = {}
+        for name, obj in self._objects.items():
+            documents[name], group = flatten(obj.state_dict(), name=name)
+            if group:
+                tensors[name] = group
+        for name, tree in self._pending_objects.items():
+            # State restored for an object the script has not registered yet: carry it on.
+            documents[name], group = flatten(tree, name=name)
+            if group:
+                tensors[name] = group
+        values, value_tensors = flatten(self._values, name=VALUES_GROUP)
+        rng, rng_tensors = flatten(capture_rng(), name=RNG_GROUP)
+        for group_name, group in ((VALUES_GROUP, value_tensors), (RNG_GROUP, rng_tensors)):
+            if group:
+                tensors[group_name] = group
+        if copy:
+            tensors = self._buffers.copy(tensors)
+        state = {
+            "version": STATE_VERSION,
+            "step": step,
+            "epoch": self.epoch,
+            "total": self.total,
+            "done": self.done,
+            "objects": documents,
+            "values": values,
+            "rng": rng,
+        }
+        return _Snapshot(step, tensors, state, metrics)
+
+    def _write(self, snapshot: _Snapshot) -> CheckpointInfo:
+        started = time.monotonic()
+        self.events.emit(ev.SAVE_STARTED, snapshot.step)
+        try:
+            info = self.store.save(
+                snapshot.step,
+                tensors=snapshot.tensors,
+                data={STATE_FILE: snapshot.state},
+                metrics=snapshot.metrics,
+                on_committed=lambda i: self.events.emit(
+                    ev.COMMITTED, i.step, location=i.location, size=i.size
+                ),
+            )
+        except BaseException as exc:
+            self.events.emit(ev.FAILED, snapshot.step, error=str(exc))
+            raise
+        seconds = time.monotonic() - started
+        self.cadence.observe_save(seconds)
+        self.events.emit(
+            ev.VERIFIED, info.step, location=info.location, size=info.size, seconds=seconds
+        )
+        return info
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed and verified; raise its error."""
+        self._background.wait()
+        self._raise_background_error()
+
+    def _raise_background_error(self) -> None:
+        error = self._background.take_error()
+        if error is not None:
+            raise CheckpointError(
+                f"a background save failed: {error}",
+                fix="the previous checkpoint is intact; fix the cause and save again",
+            ) from error
+
+    # -- the loops -------------------------------------------------------------------------
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step indices from where the restored checkpoint ended up to ``total``.
+
+        Saves on cadence at step boundaries, saves and stops before the deadline and on
+        SIGTERM / SIGUSR1 / an interrupt, and saves at the end, setting :attr:`done`.
+        """
+        self.restore()
+        self.total = total
+        if self.step >= total:
+            self.done = True
+            return
+        with self._loop():
+            while True:
+                started = time.monotonic()
+                yield self.step
+                self.step += 1
+                self.cadence.observe_step(time.monotonic() - started)
+                if self._boundary(final=self.step >= total):
+                    return
+                if self.step >= total:
+                    break
+        self._finish()
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """Yield epoch indices from where the restored checkpoint ended up to ``count``.
+
+        Iterate ``ckpt.loader(dataloader)`` inside: every batch it hands out is a step, and
+        saves happen at those step boundaries as in :meth:`steps`.
+        """
+        self.restore()
+        self.total = None
+        if self.epoch >= count:
+            self.done = True
+            return
+        loaders = [o for o in self._objects.values() if isinstance(o, ResumableLoader)]
+        with self._loop():
+            for loader in loaders:
+                loader._on_batch = self._on_batch
+            try:
+                while self.epoch < count:
+                    started = time.monotonic()
+                    yield self.epoch
+                    if self.stop_reason:
+                        return
+                    self.epoch += 1
+                    if not loaders:
+                        self.step += 1  # without a wrapped loader, an epoch is the step unit
+                        self.cadence.observe_step(time.monotonic() - started)
+                    if self._boundary(final=self.epoch >= count):
+                        return
+            finally:
+                for loader in loaders:
+                    loader._on_batch = None
+        self._finish()
+
+    def _on_batch(self, end_of_epoch: bool) -> bool:
+        """Called by a wrapped loader when the previous batch is done; True means stop."""
+        now = time.monotonic()
+        self.step += 1
+        if self._batch_started is not None:
+            self.cadence.observe_step(now - self._batch_started)
+        self._batch_started = now
+        if end_of_epoch:
+            # The epoch loop saves after the epoch counter moves, so that a checkpoint never
+            # holds a finished loader position with an unfinished epoch.
+            self.events.emit(ev.STEP, self.step, total=self.total, epoch=self.epoch)
+            return False
+        return self._boundary(final=False)
+
+    _batch_started: float | None = None
+
+    def _boundary(self, *, final: bool) -> bool:
+        """At a step boundary: report progress, save when due, and stop when asked.
+        Returns True when the loop must end now (the state was saved)."""
+        self.events.emit(ev.STEP, self.step, total=self.total, epoch=self.epoch)
+        if final:
+            return False
+        reason = self._stop_requested()
+        if reason:
+            self.stop_reason = reason
+            self.save(block=True)
+            self.events.emit(ev.STOPPING, self.step, reason=reason)
+            log.warning("nbresume: %s; saved step %d and stopped", reason, self.step)
+            signum = self._stop_signal
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            if signum is not None:
+                raise SystemExit(128 + signum)
+            return True
+        steps_since = self.step - (self._last_saved_step or 0)
+        if self.cadence.due(steps_since, time.monotonic() - self._last_save_time):
+            self.save()
+        return False
+
+    def _stop_requested(self) -> str:
+        if self._stop_signal is not None:
+            return f"received {signal.Signals(self._stop_signal).name}"
+        if self.deadline is not None:
+            margin = self._deadline_margin()
+            if time.time() + margin >= self.deadline:
+                return f"stopping before the session deadline ({self.deadline_source})"
+        return ""
+
+    def _deadline_margin(self) -> float:
+        """Enough time for one more step and a save, measured; a floor on platform caps."""
+        save = self.cadence.save_cost_s if self.cadence.save_cost_s is not None else 1.0
+        step = self.cadence.step_time_s or 0.0
+        floor = 0.0 if self._explicit_deadline else 120.0
+        return floor + 3.0 * save + 2.0 * step
+
+    def _finish(self) -> None:
+        self.done = True
+        self.save(block=True)
+        self.events.emit(ev.DONE, self.step)
+
+    @contextlib.contextmanager
+    def _loop(self) -> Iterator[None]:
+        """Signals become stop requests handled at the next step boundary, never a write in
+        the handler itself."""
+        if self._in_loop or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._in_loop = True
+        self._stop_signal = None
+        self._batch_started = None
+        previous: dict[int, Any] = {}
+
+        def request(signum: int, frame: FrameType | None) -> None:
+            if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+                raise KeyboardInterrupt  # a second interrupt: stop at once
+            self._stop_signal = signum
+
+        for signum in _STOP_SIGNALS:
+            with contextlib.suppress(ValueError, OSError):
+                previous[signum] = signal.signal(signum, request)
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(number, handler)
+            self._in_loop = False
+
+    # -- inspection and lifetime -----------------------------------------------------------
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint."""
+        return self.store.latest()
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first."""
+        return self.store.list()
+
+    def verify(self) -> VerifyReport:
+        """Read back every checkpoint and compare it with its manifest (waits for a save in
+        flight first)."""
+        self.wait()
+        return self.store.verify()
+
+    def close(self) -> None:
+        """Finish the save in flight and raise its error, if any."""
+        atexit.unregister(self._at_exit)
+        self.wait()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            self.close()
+        else:
+            atexit.unregister(self._at_exit)
+            self._background.wait()
+            error = self._background.take_error()
+            if error is not None:
+                log.error("nbresume: a background save failed: %s", error)
+
+    def _at_exit(self) -> None:
+        self._background.wait()
+        error = self._background.take_error()
+        if error is not None:
+            print(
+                f"nbresume: the last background save failed and is NOT on disk: {error}",
+                file=sys.stderr,
+            )
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.store.location!r}, step={self.step}, done={self.done})"
+
+
+_STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
+    [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []
+)
+
+
+def _is_dataloader(value: Any) -> bool:
+    torch_data = sys.modules.get("torch.utils.data")
+    return torch_data is not None and type(value) is torch_data.DataLoader

@@ -1,0 +1,201 @@
+"""Exact data position: resume mid-epoch at the next batch, with the same samples and the
+same augmentation an uninterrupted run would have seen.
+
+Three things make a resumed epoch identical to the original:
+
+1. The order of an epoch is a function of ``(seed, epoch)`` alone. The wrapper draws the
+   sampler's indices under a private seed instead of the global RNG, and gives every
+   DataLoader it builds its own generator, so creating an iterator never consumes the
+   training loop's random stream (dropout would otherwise differ after a resume).
+2. Consumed batches are skipped at the sampler level: their indices are dropped before any
+   sample is loaded, so skipping costs nothing.
+3. Each sample's randomness is a function of ``(seed, epoch, index)``: the dataset is wrapped
+   so that the global RNGs (torch, random, NumPy) are seeded per sample around
+   ``__getitem__``. Augmentation then does not depend on which worker loaded the sample or
+   where the run resumed. In the main process the training loop's RNG state is saved and put
+   back around each sample, so loading data never disturbs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from nbresume.errors import UsageError
+
+_SAMPLE_CONTEXT: dict[str, int] = {"seed": 0, "epoch": 0}
+
+
+def sample_seed(index: int, *, seed: int | None = None, epoch: int | None = None) -> int:
+    """A 63-bit seed for sample ``index`` of the current epoch, the same in every worker and
+    after every resume."""
+    seed = _SAMPLE_CONTEXT["seed"] if seed is None else seed
+    epoch = _SAMPLE_CONTEXT["epoch"] if epoch is None else epoch
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_generator(index: int) -> Any:
+    """A ``torch.Generator`` for sample ``index`` of the current epoch (see :func:`sample_seed`).
+
+    Use it for augmentation inside ``Dataset.__getitem__`` when you prefer an explicit
+    generator to the per-sample seeding nbresume already applies to the global RNGs.
+    """
+    import torch
+
+    return torch.Generator().manual_seed(sample_seed(index))
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    digest = hashlib.blake2b(f"order:{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class _SeededDataset:
+    """Wraps a map-style dataset: the global RNGs are seeded per sample around ``__getitem__``."""
+
+    def __init__(self, dataset: Any, seed: int, epoch: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index: int) -> Any:
+        import torch
+
+        _SAMPLE_CONTEXT["seed"], _SAMPLE_CONTEXT["epoch"] = self.seed, self.epoch
+        value = sample_seed(index)
+        numpy = sys.modules.get("numpy")
+        saved = (
+            torch.get_rng_state(),
+            random.getstate(),
+            numpy.random.get_state() if numpy else None,
+        )
+        # The CPU generator only: torch.manual_seed would also reseed CUDA, which the training
+        # loop draws dropout masks from.
+        torch.default_generator.manual_seed(value)
+        random.seed(value)
+        if numpy is not None:
+            numpy.random.seed(value % (2**32))
+        try:
+            return self.dataset[index]
+        finally:
+            torch.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            if numpy is not None:
+                numpy.random.set_state(saved[2])
+
+
+class ResumableLoader:
+    """A DataLoader wrapper that knows its exact position and resumes there.
+
+    Iterating it yields the rest of the current epoch (all of it, unless a checkpoint was
+    restored mid-epoch); when an epoch is exhausted the next iteration starts the next epoch.
+    :meth:`batches` yields batches forever, epoch after epoch, for step-based loops.
+    """
+
+    def __init__(self, loader: Any, *, seed: int | None = None) -> None:
+        import torch
+        from torch.utils.data import IterableDataset
+
+        if isinstance(loader.dataset, IterableDataset):
+            raise UsageError(
+                "nbresume cannot skip to a position inside an IterableDataset",
+                fix="use a map-style Dataset, or torchdata's StatefulDataLoader and pass it to "
+                "the Checkpointer as a stateful object",
+            )
+        self.loader = loader
+        self.seed = int(torch.initial_seed() if seed is None else seed) & (2**63 - 1)
+        self.epoch = 0
+        self.position = 0  # batches of the current epoch already handed out
+        #: Set by the Checkpointer's epoch loop: called when the previous batch is done, with
+        #: whether it ended the epoch; returns True to stop (the state has been saved).
+        self._on_batch: Callable[[bool], bool] | None = None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+
+    def _epoch_indices(self) -> tuple[list[list[int]] | None, list[int] | None]:
+        """Batches of indices (custom batch sampler) or sample indices of this epoch."""
+        import torch
+        from torch.utils.data import BatchSampler
+
+        loader = self.loader
+        seed = epoch_seed(self.seed, self.epoch)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            sampler = loader.sampler
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+            generator = getattr(sampler, "generator", None)
+            if isinstance(generator, torch.Generator):
+                generator.manual_seed(seed)
+            batch_sampler = loader.batch_sampler
+            if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+                return [list(b) for b in batch_sampler], None
+            return None, [int(i) for i in sampler]
+
+    def _make_loader(self, skip: int) -> Any:
+        import torch
+        from torch.utils.data import DataLoader
+
+        loader = self.loader
+        batches, indices = self._epoch_indices()
+        options: dict[str, Any] = {
+            "num_workers": loader.num_workers,
+            "collate_fn": loader.collate_fn,
+            "pin_memory": loader.pin_memory,
+            "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context,
+            "generator": torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch) ^ 1),
+            "persistent_workers": False,
+        }
+        if loader.num_workers > 0:
+            options["prefetch_factor"] = loader.prefetch_factor
+        if getattr(loader, "pin_memory_device", ""):
+            options["pin_memory_device"] = loader.pin_memory_device
+        dataset: Any = _SeededDataset(loader.dataset, self.seed, self.epoch)
+        if batches is not None:
+            return DataLoader(dataset, batch_sampler=batches[skip:], **options)
+        assert indices is not None
+        if loader.batch_size is None:
+            return DataLoader(dataset, batch_size=None, sampler=indices[skip:], **options)
+        start = skip * loader.batch_size
+        return DataLoader(
+            dataset,
+            batch_size=loader.batch_size,
+            drop_last=loader.drop_last,
+            sampler=indices[start:],
+            **options,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        total = len(self.loader)
+        if self.position >= total:
+            self.epoch, self.position = self.epoch + 1, 0
+        for batch in self._make_loader(self.position):
+            self.position += 1
+            yield batch
+            if self._on_batch is not None and self._on_batch(self.position >= total):
+                return  # stopping mid-epoch: the position stays where the checkpoint has it
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def batches(self) -> Iterator[Any]:
+        """Batches forever, epoch after epoch, from the current position."""
+        while True:
+            yield from self

@@ -1,0 +1,68 @@
+"""The session clock: when the platform will end this session, measured from its real start.
+
+Platforms with a hard cap (Kaggle: 9 h with a GPU, 12 h without; Colab: up to 12 h) end the
+session without a signal. ``deadline="auto"`` stops training cleanly before the cap, with a
+margin sized from the measured cost of a save, so that the last checkpoint is complete and a
+Kaggle commit ends without an error.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+HOUR = 3600.0
+
+
+def session_started_at() -> float:
+    """When this machine's session began (the start of process 1 of this container), as a
+    Unix time; the current process's start when that cannot be read."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        stat = Path("/proc/1/stat").read_text()
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+        if 0 <= age < 30 * 24 * HOUR:
+            return time.time() - age
+    except (OSError, ValueError, IndexError):
+        pass
+    return _PROCESS_STARTED
+
+
+_PROCESS_STARTED = time.time()
+
+
+def session_cap_s() -> tuple[float | None, str]:
+    """The platform's session cap in seconds and its name (``None`` where there is none)."""
+    gpu = Path("/dev/nvidia0").exists()
+    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE"):
+        return (
+            (9 * HOUR, "Kaggle GPU session (9 h)") if gpu else (12 * HOUR, "Kaggle session (12 h)")
+        )
+    if os.environ.get("COLAB_RELEASE_TAG") or Path("/var/colab/hostname").exists():
+        return 12 * HOUR, "Colab VM lifetime (12 h)"
+    return None, ""
+
+
+def resolve_deadline(deadline: float | int | str | None) -> tuple[float | None, str]:
+    """An absolute Unix time to stop by, and where it comes from.
+
+    ``None``: no deadline. A number: that many seconds from now. A duration string
+    (``"8h30min"`` is not supported; ``"8.5h"`` is): likewise. ``"auto"``: the platform cap,
+    counted from the session's real start.
+    """
+    from nbresume.checkpoint.cadence import parse_duration
+
+    if deadline is None:
+        return None, ""
+    if isinstance(deadline, bool):
+        raise ValueError("deadline= must be 'auto', seconds, a duration or None")
+    if isinstance(deadline, (int, float)):
+        return time.time() + float(deadline), f"deadline={deadline}s"
+    if deadline == "auto":
+        cap, name = session_cap_s()
+        if cap is None:
+            return None, ""
+        return session_started_at() + cap, name
+    return time.time() + parse_duration(deadline), f"deadline={deadline}"

@@ -1,0 +1,61 @@
+"""Progress events: how the core tells a panel, a progress bar or a logger what it does.
+
+The core calls plain callables with an :class:`Event`; it imports no UI library. A callback
+that raises is logged and dropped from nothing else: training never fails because a display
+did.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("nbresume")
+
+#: Event kinds, in the order a save emits them.
+STEP = "step"
+SAVE_STARTED = "save_started"
+COMMITTED = "committed"
+VERIFIED = "verified"
+FAILED = "failed"
+STOPPING = "stopping"
+DONE = "done"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the checkpointer did. ``data`` holds kind-specific details (size, location,
+    error, total, reason...)."""
+
+    kind: str
+    step: int
+    data: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+
+Callback = Callable[[Event], None]
+
+
+class EventBus:
+    """Delivers events to subscribers; safe to call from the background writer thread."""
+
+    def __init__(self, callbacks: list[Callback] | None = None) -> None:
+        self.callbacks: list[Callback] = list(callbacks or [])
+
+    def subscribe(self, callback: Callback) -> Callable[[], None]:
+        """Add ``callback``; return a function that removes it."""
+        self.callbacks.append(callback)
+        return lambda: self.callbacks.remove(callback) if callback in self.callbacks else None
+
+    def emit(self, kind: str, step: int, **data: Any) -> None:
+        if not self.callbacks:
+            return
+        event = Event(kind, step, data)
+        for callback in list(self.callbacks):
+            try:
+                callback(event)
+            except Exception:
+                log.exception("nbresume: a progress callback failed on %s", kind)
