@@ -1,8 +1,10 @@
 """``nbresume demo``: the promise, shown on a local folder.
 
-A child process saves a checkpoint at every step; the demo kills it with SIGKILL at a random
-instant (often in the middle of a save); then it loads the newest checkpoint, checks that its
-weights are exactly the ones saved at that step, and verifies every checkpoint byte by byte.
+It trains a small model twice with the identical command: once without interruption, and once
+killed with SIGKILL at two random moments (a kill can land in the middle of a save) and simply
+started again each time. The interrupted run resumes from its newest verified checkpoint and
+ends with weights bit-identical to the uninterrupted one; every checkpoint left on disk is then
+verified against its manifest.
 """
 
 from __future__ import annotations
@@ -14,56 +16,86 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 MARKER = ".nbresume-demo"
-KEEP = 3
+TOTAL_STEPS = 120
 
 
-def model_state(step: int) -> dict[str, Any]:
-    """The weights the demo's "training" has reached at ``step`` (a pure function of it)."""
-    try:
-        import torch
-    except ImportError:
-        import numpy as np
+def _train(folder: str, total: int) -> None:
+    """The training job: the same code a user would write (run in a child process)."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
 
-        rng = np.random.default_rng(step)
-        return {
-            "encoder.weight": rng.standard_normal((512, 1024), dtype=np.float32),
-            "encoder.bias": rng.standard_normal(512, dtype=np.float32),
-            "head.weight": rng.standard_normal((10, 512), dtype=np.float32),
-        }
-    generator = torch.Generator().manual_seed(step)
-    return {
-        "encoder.weight": torch.randn(512, 1024, generator=generator),
-        "encoder.bias": torch.randn(512, generator=generator),
-        "head.weight": torch.randn(10, 512, generator=generator),
-    }
+    import nbresume
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    features = torch.randn(512, 32)
+    labels = (features[:, :4].sum(dim=1) > 0).long()
+    loader = DataLoader(TensorDataset(features, labels), batch_size=32, shuffle=True)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+
+    ckpt = nbresume.Checkpointer(
+        folder, every=10, keep=3, model=model, optimizer=optimizer, scheduler=scheduler
+    )
+    start = ckpt.restore()
+    print(f"start {start}", flush=True)
+    batches = ckpt.loader(loader).batches()
+    for step in ckpt.steps(total):
+        x, y = next(batches)
+        noisy = x + 0.05 * torch.randn_like(x)  # randomness in the loop, restored exactly
+        loss = nn.functional.cross_entropy(model(noisy), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        print(f"step {step + 1}", flush=True)
+    ckpt.close()
+    print(f"final {weights_hash(model)}", flush=True)
 
 
-def fingerprint(tensors: dict[str, Any]) -> str:
-    """SHA-256 over names and raw bytes, in name order."""
-    from nbresume.checkpoint.tensorfile import to_raw
-
+def weights_hash(model: Any) -> str:
+    """SHA-256 over every parameter and buffer, in name order."""
     digest = hashlib.sha256()
-    for name in sorted(tensors):
-        raw = to_raw(tensors[name], name=name)
-        digest.update(f"{name}:{raw.dtype}:{raw.shape}".encode())
-        digest.update(raw.data)
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
-def _child(folder: str) -> None:
-    from nbresume.checkpoint.store import CheckpointStore
+def _run(folder: Path, kill_after: int | None, rng: random.Random) -> tuple[int, str, int]:
+    """Run the job once; SIGKILL it at a random instant after step ``kill_after``.
 
-    store = CheckpointStore(folder, keep=KEEP)
-    step = 0
-    while True:
-        step += 1
-        store.save(step, tensors={"model": model_state(step)}, data={"state": {"step": step}})
-        print(step, flush=True)
+    Returns (step it started from, its final hash or "", last step it printed)."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "nbresume.demo", "--train", str(folder), str(TOTAL_STEPS)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert child.stdout is not None
+    start, final, last = 0, "", 0
+    for line in child.stdout:
+        word, _, value = line.strip().partition(" ")
+        if word == "start":
+            start = int(value)
+        elif word == "step":
+            last = int(value)
+            if kill_after is not None and last >= kill_after:
+                # A random instant within the next few steps: it may land inside a save.
+                deadline = rng.randint(0, 4)
+                if last >= kill_after + deadline:
+                    child.send_signal(signal.SIGKILL)
+                    break
+        elif word == "final":
+            final = value
+    child.wait()
+    return start, final, last
 
 
 def _prepare(folder: Path) -> None:
@@ -79,76 +111,50 @@ def _prepare(folder: Path) -> None:
 
 def run_demo(folder: str, *, seed: int | None = None) -> int:
     """Run the demo in ``folder``; return the exit status."""
-    from nbresume.checkpoint.store import CheckpointStore, format_bytes
-    from nbresume.errors import NbresumeError
-
-    rng = random.Random(seed)  # noqa: S311 - timing of a demo, not security
-    path = Path(folder).resolve()
-    _prepare(path)
-    size = sum(raw.nbytes for raw in _raws(model_state(0)))
-    print(f"nbresume demo in {path}")
-    print(f"1. A child process saves a {format_bytes(size)} model at every step (keep={KEEP}).")
-    child = subprocess.Popen(
-        [sys.executable, "-m", "nbresume.demo", "--child", str(path)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
-    target = rng.randint(3, 8)
-    reported = 0
-    for line in child.stdout:
-        reported = int(line)
-        if reported >= target:
-            break
-    if reported < target:
-        print(f"   the child stopped early (exit status {child.wait()}).", file=sys.stderr)
-        return 1
-    # Land the kill anywhere in the next save: payload writes, manifest, rename, retention.
-    delay = rng.uniform(0.0, 0.05)
-    time.sleep(delay)
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait()
-    print(f"   it reported steps 1..{reported} as saved.")
-    print(f"2. SIGKILL, {delay * 1000:.0f} ms after the child reported step {reported}.")
-    hidden = sorted(
-        p.name for p in path.iterdir() if p.name.startswith(".nbresume-") and p.is_dir()
-    )
-    if hidden:
-        print(f"   it left {len(hidden)} unfinished folder(s) behind: {', '.join(hidden)}")
-
-    store = CheckpointStore(path, keep=KEEP)
     try:
-        loaded = store.load()
-    except NbresumeError as exc:
-        print(f"3. Restore failed: {exc}", file=sys.stderr)
+        import torch  # noqa: F401
+    except ImportError:
+        print("nbresume demo trains a small PyTorch model: pip install torch", file=sys.stderr)
         return 1
-    got = fingerprint(loaded.tensors["model"])
-    expected = fingerprint(model_state(loaded.step))
-    same = got == expected
-    print(f"3. A fresh process restores step {loaded.step}: the newest checkpoint that verifies.")
-    print(f"   weights sha256 {got[:16]}… {'==' if same else '!='} expected {expected[:16]}…")
-    if loaded.step < reported:
-        print(f"   step {reported} was reported saved but is missing: the promise is broken.")
-        same = False
+    from nbresume.checkpoint.store import CheckpointStore
 
-    report = store.verify()
-    print("4. nbresume verify:")
+    rng = random.Random(seed)  # noqa: S311 - when to kill, not security
+    root = Path(folder).resolve()
+    _prepare(root)
+    reference, interrupted = root / "uninterrupted", root / "interrupted"
+    print(f"nbresume demo in {root}: {TOTAL_STEPS} steps of a small model, saved every 10 steps")
+
+    _, expected, _ = _run(reference, None, rng)
+    print(f"1. Uninterrupted run: final weights sha256 {expected[:16]}…")
+    print("2. The identical command, killed twice with SIGKILL and started again:")
+
+    kills = sorted(rng.sample(range(12, TOTAL_STEPS - 10), 2))
+    final = ""
+    for attempt in range(3):
+        kill_after = kills[attempt] if attempt < len(kills) else None
+        start, final, last = _run(interrupted, kill_after, rng)
+        began = f"resumed from step {start}" if start else "started fresh"
+        if kill_after is None:
+            print(f"   run {attempt + 1}: {began + ',':<25} ran to step {last}, the end")
+            continue
+        cut = " (mid-save)" if any(interrupted.glob(".nbresume-tmp-*")) else ""
+        print(f"   run {attempt + 1}: {began + ',':<25} killed after step {last}{cut}")
+    same = final == expected
+    print(f"3. Interrupted run:   final weights sha256 {final[:16]}…")
+    print(f"   bit-identical to the uninterrupted run: {'yes' if same else 'NO'}")
+
+    report = CheckpointStore(interrupted, keep=None).verify()
+    print(f"4. nbresume verify {interrupted}:")
     for result in report.results:
         print(f"   {result}")
     print(f"   {report.summary}")
     if same and report.ok:
-        print("The promise held: every step reported saved is there, loads, and matches.")
+        print("The promise held: killed twice, resumed from verified checkpoints, same weights.")
         return 0
     print("The promise did not hold.", file=sys.stderr)
     return 1
 
 
-def _raws(tensors: dict[str, Any]) -> list[Any]:
-    from nbresume.checkpoint.tensorfile import to_raw
-
-    return [to_raw(v, name=k) for k, v in tensors.items()]
-
-
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        _child(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "--train":
+        _train(sys.argv[2], int(sys.argv[3]))
