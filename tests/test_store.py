@@ -180,7 +180,7 @@ def test_metrics_are_recorded_and_non_finite_ones_dropped(
 
 def test_a_value_that_is_not_json_is_refused_and_nothing_is_left(ckpt_dir: Path) -> None:
     store = CheckpointStore(ckpt_dir)
-    with pytest.raises(CheckpointError, match="'state'.*JSON"):
+    with pytest.raises(CheckpointError, match=r"'state'.*JSON"):
         store.save(1, data={"state": {"when": object()}})
     assert not ckpt_dir.exists() or list(ckpt_dir.iterdir()) == []
 
@@ -381,8 +381,6 @@ def test_a_replaced_copy_is_put_back_when_the_new_one_never_landed(
     final = ckpt_dir / step_dirname(5)
     final.rename(ckpt_dir / f".nbresume-old-replaced-{step_dirname(5)}-4242-0badc0de")
     _new_copy_of_step_5(tmp_path).rename(ckpt_dir / f".nbresume-tmp-{step_dirname(5)}-4242-1")
-    assert steps(store) == [4]
-
     save_step(store, 6)  # the next save recovers first
 
     assert sorted(os.listdir(ckpt_dir)) == [step_dirname(s) for s in (4, 5, 6)]
@@ -443,9 +441,9 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path: Path) -> Non
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
     shell = 'mount -t tmpfs -o size=4m nbresume-test "$1" || exit 77; exec "$2" -c "$3" "$1"'
+    namespace = [unshare, "--user", "--map-root-user", "--mount"]
     proc = subprocess.run(
-        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", shell, "sh"]
-        + [str(mount_point), sys.executable, _TINY_DISK_SCRIPT],
+        [*namespace, "sh", "-c", shell, "sh", str(mount_point), sys.executable, _TINY_DISK_SCRIPT],
         capture_output=True,
         text=True,
         timeout=300,
