@@ -114,6 +114,14 @@ class Store(ABC):
                 yield chunk
 
 
+def replaced_step(name: str) -> str | None:
+    """The checkpoint folder that ``name`` is an older copy of, moved aside while a new copy
+    of the same step was being committed (``None`` for any other name)."""
+    if not name.startswith(REPLACED_PREFIX):
+        return None
+    return name[len(REPLACED_PREFIX) :].split("-", 1)[0]
+
+
 def _token() -> str:
     return f"{os.getpid()}-{secrets.token_hex(4)}"
 
@@ -175,6 +183,9 @@ class LocalStore(Store):
         os.rename(self.root / folder, target)
         _fsync_dir(self.root)
         if replaced is not None:
+            # The manifest first: a copy cut short by a kill is then never put back by recover().
+            with contextlib.suppress(OSError):
+                os.unlink(replaced / MANIFEST_NAME)
             shutil.rmtree(replaced, ignore_errors=True)
 
     def open_read(self, folder: str, name: str) -> IO[bytes]:

@@ -48,7 +48,7 @@ from nbresume.checkpoint.format import (
     parse_step_dirname,
     step_dirname,
 )
-from nbresume.checkpoint.storage import Store, open_store
+from nbresume.checkpoint.storage import Store, open_store, replaced_step
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -331,12 +331,22 @@ class CheckpointStore:
     # -- reading -------------------------------------------------------------------------
 
     def _checkpoint_folders(self) -> list[tuple[int, str]]:
-        """(step, name) of every folder named like a checkpoint, newest first."""
+        """(step, name) of every folder named like a checkpoint, newest first.
+
+        A writer killed while replacing a step can leave the older copy moved aside and no
+        folder of the step's name; that copy then stands in for the step (the next writer
+        moves it back), so that a checkpoint reported as saved never drops out of view.
+        """
         found = []
+        stand_ins: dict[int, str] = {}
         for name in self.store.list_folders():
             step = parse_step_dirname(name)
             if step is not None:
                 found.append((step, name))
+            elif (step := parse_step_dirname(replaced_step(name) or "")) is not None:
+                stand_ins.setdefault(step, name)
+        present = {step for step, _ in found}
+        found += [(step, name) for step, name in stand_ins.items() if step not in present]
         return sorted(found, reverse=True)
 
     def _read_manifest(self, name: str, step: int) -> Manifest:
@@ -376,7 +386,7 @@ class CheckpointStore:
         return VerifyReport(self.location, tuple(results))
 
     def _verify_folder(self, name: str, expected_manifest: bytes | None = None) -> VerifyResult:
-        step = parse_step_dirname(name)
+        step = parse_step_dirname(replaced_step(name) or name)
         assert step is not None
         location = self.store.child(name)
         try:
