@@ -43,21 +43,8 @@ def flatten(tree: Tree, *, name: str) -> tuple[Tree, dict[str, Any]]:
         return key
 
     def walk(value: Any, path: list[str]) -> Tree:
-        if value is None or isinstance(value, (bool, str)):
-            return value
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float):
-            if math.isfinite(value):
-                return value
-            return {TAG: "float", "value": repr(value)}
         module = type(value).__module__
-        if module.startswith("torch") and type(value).__name__ in ("Tensor", "Parameter"):
-            key = key_for(path)
-            tensors[key] = value
-            return {TAG: "tensor", "key": key}
-        if module.startswith("torch") and type(value).__name__ == "Size":
-            return {TAG: "tuple", "items": [int(d) for d in value]}
+        # NumPy first: np.float64 and np.str_ are also float and str, and would lose their type.
         if module == "numpy":
             import numpy as np
 
@@ -67,6 +54,20 @@ def flatten(tree: Tree, *, name: str) -> tuple[Tree, dict[str, Any]]:
                 return {TAG: "ndarray", "key": key}
             if isinstance(value, np.generic):
                 return {TAG: "np", "dtype": value.dtype.str, "value": walk(value.item(), path)}
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return value
+            return {TAG: "float", "value": repr(value)}
+        if module.startswith("torch") and type(value).__name__ in ("Tensor", "Parameter"):
+            key = key_for(path)
+            tensors[key] = value
+            return {TAG: "tensor", "key": key}
+        if module.startswith("torch") and type(value).__name__ == "Size":
+            return {TAG: "tuple", "items": [int(d) for d in value]}
         if isinstance(value, Mapping):
             if all(isinstance(k, str) and k != TAG for k in value):
                 return {k: walk(v, [*path, k]) for k, v in value.items()}
