@@ -66,6 +66,9 @@ class _SeededDataset:
         return len(self.dataset)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "dataset":
+            # Unpickling in a spawned worker looks attributes up before __dict__ is filled.
+            raise AttributeError(name)
         return getattr(self.dataset, name)
 
     def __getitem__(self, index: int) -> Any:
