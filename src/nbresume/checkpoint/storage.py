@@ -14,13 +14,13 @@ import os
 import secrets
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
-from nbresume.errors import StorageError
+from nbresume.errors import StorageError, UsageError
 
 READ_CHUNK = 8 << 20
 
@@ -251,12 +251,20 @@ class FsspecStore(Store):
 
     atomic_rename = False
 
-    def __init__(self, url: str, fs: Any = None, root: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        fs: Any = None,
+        root: str | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``storage_options`` go to the fsspec file system (credentials, ``endpoint_url``...)."""
         import fsspec
 
         self.url = url
         if fs is None:
-            fs, root = fsspec.core.url_to_fs(url)
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.fs = fs
         self.root = (root or "").rstrip("/")
 
@@ -341,12 +349,24 @@ class FsspecStore(Store):
         return cleaned
 
 
-def open_store(location: str | os.PathLike[str]) -> Store:
-    """The store for a local path, a ``file://`` URL, or any other fsspec URL."""
+def open_store(
+    location: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> Store:
+    """The store for a local path, a ``file://`` URL, or any other fsspec URL.
+
+    ``storage_options`` are passed to the fsspec file system of a URL, for example
+    ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for ``s3://``.
+    """
     text = os.fspath(location)
+    local = "://" not in text or text.split("://", 1)[0] in ("file", "local")
+    if local and storage_options:
+        raise UsageError(
+            f"storage_options apply to fsspec URLs such as s3://, but {text} is a local folder",
+            where=text,
+            fix="drop storage_options, or give a URL of the store they are meant for",
+        )
     if "://" not in text:
         return LocalStore(text)
-    protocol = text.split("://", 1)[0]
-    if protocol in ("file", "local"):
+    if local:
         return LocalStore(text.split("://", 1)[1])
-    return FsspecStore(text)
+    return FsspecStore(text, storage_options=storage_options)

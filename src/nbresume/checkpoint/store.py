@@ -147,6 +147,9 @@ class CheckpointStore:
             (default: ``keep``) checkpoints by that metric.
         md5: also record MD5 hashes (for stores that report MD5s, such as Google Drive).
         check_space: refuse to start a save that would not fit (where free space is known).
+        storage_options: options for the fsspec file system of a URL location (credentials,
+            ``endpoint_url``, ...), e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}`` for
+            an S3-compatible server. Not allowed with a local folder.
     """
 
     def __init__(
@@ -157,8 +160,12 @@ class CheckpointStore:
         keep_best: KeepBest | None = None,
         md5: bool = False,
         check_space: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.store = location if isinstance(location, Store) else open_store(location)
+        if isinstance(location, Store):
+            self.store = location
+        else:
+            self.store = open_store(location, storage_options=storage_options)
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}")
         self.keep = keep
@@ -592,6 +599,8 @@ def format_bytes(count: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def verify(location: str | os.PathLike[str]) -> VerifyReport:
+def verify(
+    location: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> VerifyReport:
     """Check every checkpoint in ``location`` against its manifest (reads every byte once)."""
-    return CheckpointStore(location).verify()
+    return CheckpointStore(location, storage_options=storage_options).verify()
