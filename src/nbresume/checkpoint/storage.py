@@ -273,7 +273,8 @@ class FsspecStore(Store):
         return self.url
 
     def _path(self, *names: str) -> str:
-        return "/".join([self.root, *names])
+        # An empty root (a bucket-less URL, a wrapped file system) must not add a leading "/".
+        return "/".join(part for part in (self.root, *names) if part)
 
     def _ls(self, path: str) -> list[dict[str, Any]]:
         # Listings are cached by some backends (s3fs): another process may have written since.
@@ -299,10 +300,10 @@ class FsspecStore(Store):
         ]
 
     def begin(self, final: str) -> str:
-        # Writing in place: first withdraw any manifest of an earlier copy of this step, so that
-        # until our manifest lands the folder is uncommitted rather than mixed.
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._path(final, MANIFEST_NAME))
+        # Writing in place: an earlier copy of this step is withdrawn (its manifest first, as
+        # in delete()) and removed, so that until our manifest lands the folder is uncommitted
+        # rather than mixed, and no file of the old copy lingers next to the new manifest.
+        self.delete(final)
         self.fs.makedirs(self._path(final), exist_ok=True)
         return final
 
@@ -318,7 +319,11 @@ class FsspecStore(Store):
             raise AssertionError(f"an fsspec store writes in place, got {folder!r} for {final!r}")
 
     def open_read(self, folder: str, name: str) -> IO[bytes]:
-        handle: IO[bytes] = self.fs.open(self._path(folder, name), "rb")
+        path = self._path(folder, name)
+        # s3fs takes a file's size and ETag from a cached listing of its folder: after another
+        # writer replaced the file, that would read too few bytes or fail as "expired".
+        self.fs.invalidate_cache(path)
+        handle: IO[bytes] = self.fs.open(path, "rb")
         return handle
 
     def delete(self, folder: str) -> None:

@@ -435,6 +435,10 @@ class CheckpointStore:
             try:
                 loaded = self._load_folder(found_step, name, framework)
             except CorruptCheckpointError as exc:
+                if not self._has_manifest(name):
+                    # Never committed (what an interrupted write or deletion leaves on an object
+                    # store): not a checkpoint, so nothing was skipped and there is no warning.
+                    continue
                 skipped.append(
                     VerifyResult(name, found_step, self.store.child(name), False, str(exc))
                 )
@@ -449,7 +453,7 @@ class CheckpointStore:
                     stacklevel=2,
                 )
             return loaded
-        if step is not None and not candidates:
+        if step is not None and not skipped:
             raise NoCheckpointError(f"there is no checkpoint of step {step}", where=self.location)
         if skipped:
             raise NoCheckpointError(
@@ -459,6 +463,14 @@ class CheckpointStore:
                 fix="run `nbresume verify` on the folder for details",
             )
         raise NoCheckpointError("there is no checkpoint yet", where=self.location)
+
+    def _has_manifest(self, name: str) -> bool:
+        try:
+            return MANIFEST_NAME in self.store.list_files(name)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # cannot tell: report the folder rather than pass over it in silence
 
     def _load_folder(self, step: int, name: str, framework: str) -> LoadedCheckpoint:
         manifest = self._read_manifest(name, step)
