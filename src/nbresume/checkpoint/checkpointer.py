@@ -32,6 +32,7 @@ from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.deadline import resolve_deadline
+from nbresume.checkpoint.format import MANIFEST_NAME, parse_step_dirname
 from nbresume.checkpoint.state import capture_rng, flatten, restore_rng, unflatten
 from nbresume.checkpoint.store import (
     CheckpointInfo,
@@ -270,7 +271,7 @@ class Checkpointer:
         try:
             loaded = self.store.load()
         except NoCheckpointError:
-            if self.store.verify().results:
+            if self._any_committed():
                 raise  # checkpoints exist but none verifies: starting over would hide that
             return 0
         state = loaded.data.get(STATE_FILE)
@@ -308,6 +309,20 @@ class Checkpointer:
         self._last_saved_step = self.step
         log.info("nbresume: resumed from step %d (%s)", self.step, where)
         return self.step
+
+    def _any_committed(self) -> bool:
+        """Whether a checkpoint folder has a manifest. A folder without one never committed (an
+        interrupted write on an object store) and does not count as a checkpoint."""
+        store = self.store.store
+        for name in store.list_folders():
+            if parse_step_dirname(name) is None:
+                continue
+            try:
+                if MANIFEST_NAME in store.list_files(name):
+                    return True
+            except FileNotFoundError:
+                continue
+        return False
 
     @staticmethod
     def _load_object(name: str, obj: Any, tree: Any) -> None:
@@ -441,6 +456,7 @@ class Checkpointer:
         if self.step >= total:
             self.done = True
             return
+        self.done = False  # a finished run given a larger total is unfinished again
         with self._loop():
             while True:
                 started = time.monotonic()
@@ -464,6 +480,7 @@ class Checkpointer:
         if self.epoch >= count:
             self.done = True
             return
+        self.done = False
         loaders = [o for o in self._objects.values() if isinstance(o, ResumableLoader)]
         with self._loop():
             for loader in loaders:
