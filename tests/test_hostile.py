@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import re
 import string
@@ -268,6 +269,25 @@ def test_a_symlinked_manifest_is_not_followed(
     assert_falls_back(good_store, "manifest.json", warns=False)
     failed = [r for r in good_store.verify().results if not r.ok]
     assert [r.step for r in failed] == [2]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_payload_that_is_not_a_regular_file_is_rejected(
+    good_store: CheckpointStore, ckpt_dir: Path, kind: str
+) -> None:
+    """A FIFO would block a reader forever waiting for a writer; a folder cannot be read."""
+    folder = plant(ckpt_dir, {})
+    victim = folder / "state.json"
+    victim.unlink()
+    if kind == "fifo":
+        os.mkfifo(victim)
+    else:
+        victim.mkdir()
+    assert_falls_back(good_store, "state.json")
+    failed = [r for r in good_store.verify().results if not r.ok]
+    assert [r.step for r in failed] == [2]
+    assert "state.json" in failed[0].problem
 
 
 # -- malformed safetensors files ---------------------------------------------------------------

@@ -10,9 +10,11 @@ How a checkpoint is committed is described at the top of :mod:`nbresume.checkpoi
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -190,6 +192,9 @@ class LocalStore(Store):
 
     def open_read(self, folder: str, name: str) -> IO[bytes]:
         path = self.root / folder / name
+        # Only regular files: opening a planted FIFO would wait forever for a writer.
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         # O_NOFOLLOW: a planted symlink must not make us read a file outside the checkpoint.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         return os.fdopen(fd, "rb")
