@@ -15,10 +15,6 @@ from typing import Any
 
 import pytest
 
-#: Writes a manifest naming ``files`` (default: every file in the folder) with their true
-#: sizes and SHA-256; ``overrides`` replace top-level fields, ``entries`` replace file entries.
-ForgeManifest = Callable[..., Path]
-
 
 def spec_manifest(
     folder: Path,
@@ -53,7 +49,9 @@ def spec_manifest(
 
 
 @pytest.fixture
-def forge_manifest() -> ForgeManifest:
+def forge_manifest() -> Callable[..., Path]:
+    """Writes a manifest naming ``files`` (default: every file in the folder) with their true
+    sizes and SHA-256; keyword arguments replace top-level fields, ``entries`` file entries."""
     return spec_manifest
 
 
@@ -61,18 +59,6 @@ def forge_manifest() -> ForgeManifest:
 def ckpt_dir(tmp_path: Path) -> Path:
     """A checkpoint folder that does not exist yet (the store creates it)."""
     return tmp_path / "runs" / "exp1"
-
-
-def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
-    """Flip one bit of a file in place (``offset`` may be negative, from the end)."""
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 1 << bit
-    path.write_bytes(bytes(data))
-
-
-@pytest.fixture
-def flip() -> Callable[[Path, int], None]:
-    return flip_bit
 
 
 def sha256_of(path: Path) -> str:
