@@ -165,7 +165,10 @@ def test_we_read_files_the_official_library_wrote(tmp_path: Path) -> None:
     for name, tensor in tensors.items():
         assert_same(loaded[name], tensor)
 
-    arrays = {"x": np.linspace(0, 1, 7, dtype=np.float32), "y": np.arange(3, dtype=np.uint64)}
+    arrays: dict[str, np.ndarray] = {
+        "x": np.linspace(0, 1, 7, dtype=np.float32),
+        "y": np.arange(3, dtype=np.uint64),
+    }
     safetensors.numpy.save_file(arrays, str(tmp_path / "np.safetensors"))
     got = tensorfile.decode(
         bytearray((tmp_path / "np.safetensors").read_bytes()), where="np", framework="numpy"
