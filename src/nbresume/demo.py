@@ -51,7 +51,7 @@ def _train(folder: str, total: int) -> None:
         noisy = x + 0.05 * torch.randn_like(x)  # randomness in the loop, restored exactly
         loss = nn.functional.cross_entropy(model(noisy), y)
         optimizer.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         scheduler.step()
         print(f"step {step + 1}", flush=True)
