@@ -1,0 +1,1 @@
+"""One contract for every storage backend: each backend brings fixtures, the tests are shared."""
