@@ -23,13 +23,18 @@ from nbresume.errors import (
     CorruptCheckpointError,
     NbresumeError,
     NoCheckpointError,
+    PreflightError,
     StorageError,
     StorageFullError,
 )
+from nbresume.platforms.cgroup import cap_threads
+from nbresume.preflight import Check, Report, preflight
+from nbresume.run import Run, current_run, init
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "Check",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointStore",
@@ -39,12 +44,19 @@ __all__ = [
     "LoadedCheckpoint",
     "NbresumeError",
     "NoCheckpointError",
+    "PreflightError",
+    "Report",
     "ResumableLoader",
+    "Run",
     "StorageError",
     "StorageFullError",
     "VerifyReport",
     "VerifyResult",
     "__version__",
+    "cap_threads",
+    "current_run",
+    "init",
+    "preflight",
     "sample_generator",
     "sample_seed",
     "verify",

@@ -56,6 +56,27 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import os
+
+    from nbresume.preflight import preflight, terminal_width
+
+    report = preflight(
+        args.accelerator,
+        args.internet,
+        args.dir,
+        expected_bytes=args.expected_bytes,
+        keep=args.keep,
+        strict=False,
+    )
+    if args.json:
+        print(report.to_json())
+    else:
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        print(report.format_table(color=color, width=terminal_width()))
+    return 0 if report.ok else 1
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from nbresume.demo import run_demo
 
@@ -89,6 +110,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_prune)
 
+    p = sub.add_parser(
+        "doctor",
+        help="check this machine: accelerator, internet, durable folder, memory, CPU, clock",
+        description="Run the first-cell checks and print them as a table (or JSON). "
+        "Exit status 1 when a check fails.",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--accelerator",
+        metavar="KIND",
+        type=_accelerator,
+        help="what the training needs: gpu, gpu:N, tpu or cpu",
+    )
+    p.add_argument(
+        "--internet",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the training needs internet on (--internet) or off (--no-internet)",
+    )
+    p.add_argument("--dir", help="the durable folder to check (default: the platform's)")
+    p.add_argument(
+        "--expected-bytes", type=_positive_int, metavar="N", help="size of one checkpoint"
+    )
+    p.add_argument("--keep", type=_positive_int, default=3, help="checkpoints kept (default 3)")
+    p.set_defaults(func=_cmd_doctor)
+
     p = sub.add_parser("demo", help="show the promise: save, kill -9, restore, verify")
     p.add_argument(
         "--dir", default="nbresume-demo", help="folder for the demo (default ./nbresume-demo)"
@@ -106,6 +153,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _accelerator(text: str) -> str:
+    from nbresume.preflight import parse_accelerator
+
+    try:
+        parse_accelerator(text)
+    except NbresumeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

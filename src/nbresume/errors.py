@@ -72,3 +72,18 @@ class StorageError(CheckpointError):
 
 class UsageError(NbresumeError):
     """nbresume was called in a way it does not support."""
+
+
+class PreflightError(NbresumeError):
+    """A first-cell check failed where a failure must stop the run: a Kaggle batch run (no one
+    is watching it), or ``strict=True``.
+
+    Attributes:
+        report: the :class:`nbresume.preflight.Report` with every check.
+    """
+
+    def __init__(
+        self, message: str, *, where: str = "", fix: str = "", report: object = None
+    ) -> None:
+        self.report = report
+        super().__init__(message, where=where, fix=fix)

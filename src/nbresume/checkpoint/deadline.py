@@ -1,9 +1,11 @@
 """The session clock: when the platform will end this session, measured from its real start.
 
 Platforms with a hard cap (Kaggle: 9 h with a GPU, 12 h without; Colab: up to 12 h) end the
-session without a signal. ``deadline="auto"`` stops training cleanly before the cap, with a
-margin sized from the measured cost of a save, so that the last checkpoint is complete and a
-Kaggle commit ends without an error.
+session without a signal; a Slurm job ends at its time limit. ``deadline="auto"`` stops
+training cleanly before that, with a margin sized from the measured cost of a save, so that
+the last checkpoint is complete and a Kaggle commit ends without an error. The caps come from
+:mod:`nbresume.platforms`; NBRESUME_SESSION_START and NBRESUME_SESSION_CAP override the start
+and the cap (see :mod:`nbresume.knobs`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ HOUR = 3600.0
 
 def session_started_at() -> float:
     """When this machine's session began (the start of process 1 of this container), as a
-    Unix time; the current process's start when that cannot be read."""
+    Unix time; NBRESUME_SESSION_START when set; the current process's start when neither can
+    be read."""
+    from nbresume import knobs
+
+    forced = knobs.session_start()
+    if forced is not None:
+        return forced
     try:
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         stat = Path("/proc/1/stat").read_text()
@@ -35,14 +43,20 @@ _PROCESS_STARTED = time.time()
 
 def session_cap_s() -> tuple[float | None, str]:
     """The platform's session cap in seconds and its name (``None`` where there is none)."""
-    gpu = Path("/dev/nvidia0").exists()
-    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE"):
-        return (
-            (9 * HOUR, "Kaggle GPU session (9 h)") if gpu else (12 * HOUR, "Kaggle session (12 h)")
-        )
-    if os.environ.get("COLAB_RELEASE_TAG") or Path("/var/colab/hostname").exists():
-        return 12 * HOUR, "Colab VM lifetime (12 h)"
-    return None, ""
+    from nbresume.platforms import detect
+    from nbresume.platforms.gpu import accelerator_attached
+
+    platform = detect()
+    accelerated = accelerator_attached()
+    return platform.session_cap_s(accelerated), platform.cap_name(accelerated)
+
+
+def session_deadline() -> tuple[float | None, str]:
+    """When the platform ends this session (a Unix time) and what that limit is called."""
+    from nbresume.platforms import detect
+    from nbresume.platforms.gpu import accelerator_attached
+
+    return detect().session_deadline(accelerator_attached())
 
 
 def resolve_deadline(deadline: float | int | str | None) -> tuple[float | None, str]:
@@ -61,8 +75,5 @@ def resolve_deadline(deadline: float | int | str | None) -> tuple[float | None, 
     if isinstance(deadline, (int, float)):
         return time.time() + float(deadline), f"deadline={deadline}s"
     if deadline == "auto":
-        cap, name = session_cap_s()
-        if cap is None:
-            return None, ""
-        return session_started_at() + cap, name
+        return session_deadline()
     return time.time() + parse_duration(deadline), f"deadline={deadline}"

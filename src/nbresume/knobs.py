@@ -1,0 +1,217 @@
+"""Every environment variable nbresume reads, in one place.
+
+Precedence, everywhere: an explicit argument (``nbresume.init(dir=...)``,
+``preflight(internet=...)``) wins over the environment variable, which wins over the
+platform's default. Variables are read when they are needed, never cached at import, so a
+notebook cell or a test can set one and the next call sees it.
+
+Each variable is listed in :data:`KNOBS` with its default and what it is for; the accessor
+functions below parse them and raise :class:`~nbresume.errors.UsageError` naming the
+variable when a value cannot be used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from nbresume.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment variable: its name, its default (as text) and its purpose."""
+
+    name: str
+    default: str
+    help: str
+
+    def raw(self) -> str:
+        """The variable's value, or the default when it is unset or empty."""
+        return os.environ.get(self.name) or self.default
+
+
+HOME = Knob(
+    "NBRESUME_HOME",
+    "~/nbresume",
+    "parent folder of the durable folders on SSH boxes, Slurm, Kubernetes and local machines",
+)
+PLATFORM = Knob(
+    "NBRESUME_PLATFORM",
+    "",
+    "force a platform (colab, kaggle, kaggle-batch, slurm, kubernetes, ssh, local) "
+    "instead of detecting it",
+)
+STRICT = Knob(
+    "NBRESUME_STRICT",
+    "",
+    "1: a failed preflight check raises; 0: it warns. Unset: raise only in a Kaggle batch run",
+)
+KAGGLE_ROOT = Knob("NBRESUME_KAGGLE_ROOT", "/kaggle", "Kaggle's root (working/, input/, temp/)")
+DRIVE_MOUNT = Knob("NBRESUME_DRIVE_MOUNT", "/content/drive", "where Google Drive is mounted")
+DRIVE_API_URL = Knob(
+    "NBRESUME_DRIVE_API_URL",
+    "",
+    "root URL of the Google Drive API (default: Google's); for a test server on loopback",
+)
+DRIVE_POLL_S = Knob(
+    "NBRESUME_DRIVE_POLL_S", "5", "seconds between two checks of whether Drive has a checkpoint"
+)
+COLAB_MARKER = Knob(
+    "NBRESUME_COLAB_MARKER", "/var/colab/hostname", "a file that exists only on a Colab VM"
+)
+CGROUP_ROOT = Knob(
+    "NBRESUME_CGROUP_ROOT", "/sys/fs/cgroup", "the cgroup file system (memory and CPU limits)"
+)
+MOUNTINFO = Knob(
+    "NBRESUME_MOUNTINFO",
+    "/proc/self/mountinfo",
+    "the mount table, used to tell a mounted volume from a pod's own file system",
+)
+PROBE_HOST = Knob("NBRESUME_PROBE_HOST", "pypi.org", "host the internet check resolves")
+PROBE_PORT = Knob("NBRESUME_PROBE_PORT", "443", "TCP port the internet check connects to")
+PROBE_TIMEOUT = Knob(
+    "NBRESUME_PROBE_TIMEOUT", "1.0", "seconds the internet check may take before it says 'off'"
+)
+SESSION_START = Knob(
+    "NBRESUME_SESSION_START",
+    "",
+    "Unix time the session began (default: the start of the container's first process)",
+)
+SESSION_CAP = Knob(
+    "NBRESUME_SESSION_CAP",
+    "",
+    "the platform's session cap as a duration ('9h', '12h') or 'none', instead of the "
+    "platform's figure",
+)
+
+#: Every knob, by variable name.
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        HOME,
+        PLATFORM,
+        STRICT,
+        KAGGLE_ROOT,
+        DRIVE_MOUNT,
+        DRIVE_API_URL,
+        DRIVE_POLL_S,
+        COLAB_MARKER,
+        CGROUP_ROOT,
+        MOUNTINFO,
+        PROBE_HOST,
+        PROBE_PORT,
+        PROBE_TIMEOUT,
+        SESSION_START,
+        SESSION_CAP,
+    )
+}
+
+
+def home() -> Path:
+    """The parent of durable folders outside Colab and Kaggle."""
+    return Path(HOME.raw()).expanduser()
+
+
+def home_is_set() -> bool:
+    return bool(os.environ.get(HOME.name))
+
+
+def platform() -> str | None:
+    """The forced platform name, or ``None`` to detect."""
+    return PLATFORM.raw().strip().lower() or None
+
+
+def strict() -> bool | None:
+    """``True``/``False`` when NBRESUME_STRICT is set, else ``None`` (the platform decides)."""
+    value = STRICT.raw().strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise _bad(STRICT, value, "1 or 0")
+
+
+def kaggle_root() -> Path:
+    return Path(KAGGLE_ROOT.raw())
+
+
+def drive_mount() -> Path:
+    return Path(DRIVE_MOUNT.raw())
+
+
+def colab_marker() -> Path:
+    return Path(COLAB_MARKER.raw())
+
+
+def cgroup_root() -> Path:
+    return Path(CGROUP_ROOT.raw())
+
+
+def mountinfo() -> Path:
+    return Path(MOUNTINFO.raw())
+
+
+def probe_target() -> tuple[str, int]:
+    """The (host, port) the internet check connects to."""
+    text = PROBE_PORT.raw()
+    try:
+        port = int(text)
+    except ValueError:
+        raise _bad(PROBE_PORT, text, "a TCP port number such as 443") from None
+    if not 0 < port < 65536:
+        raise _bad(PROBE_PORT, text, "a TCP port number such as 443")
+    return PROBE_HOST.raw(), port
+
+
+def probe_timeout() -> float:
+    text = PROBE_TIMEOUT.raw()
+    try:
+        value = float(text)
+    except ValueError:
+        raise _bad(PROBE_TIMEOUT, text, "seconds, such as 1.0") from None
+    if not 0 < value <= 60:
+        raise _bad(PROBE_TIMEOUT, text, "seconds between 0 and 60")
+    return value
+
+
+def session_start() -> float | None:
+    """The session's start as a Unix time when NBRESUME_SESSION_START is set."""
+    text = SESSION_START.raw().strip()
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise _bad(SESSION_START, text, "a Unix time in seconds") from None
+
+
+#: Returned by :func:`session_cap` when the variable is unset (the platform decides).
+UNSET = -1.0
+
+
+def session_cap() -> float | None:
+    """The session cap in seconds from NBRESUME_SESSION_CAP, ``None`` for 'none', or
+    :data:`UNSET` when the variable is not set."""
+    text = SESSION_CAP.raw().strip().lower()
+    if not text:
+        return UNSET
+    if text in ("none", "0", "off"):
+        return None
+    from nbresume.checkpoint.cadence import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise _bad(SESSION_CAP, text, "a duration such as '9h' or 'none'") from None
+
+
+def _bad(knob: Knob, value: str, wanted: str) -> UsageError:
+    return UsageError(
+        f"{knob.name}={value!r} cannot be used",
+        where=f"environment variable {knob.name}",
+        fix=f"set it to {wanted}, or unset it for the default ({knob.default or 'none'})",
+    )
