@@ -214,6 +214,7 @@ def test_an_iterable_dataset_is_refused_and_the_way_out_named() -> None:
     assert "StatefulDataLoader" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_a_spawned_worker_gets_the_same_samples() -> None:
     # Workers started with "spawn" (the default on macOS) receive the dataset pickled.
     def build() -> DataLoader[Any]:
