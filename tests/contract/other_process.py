@@ -1,7 +1,8 @@
-"""Another process using the same store: ``python other_process.py SPEC``.
+"""Another process using the same store: ``python other_process.py LOCATION [OPTIONS_JSON]``.
 
-SPEC is JSON: ``{"location": ..., "storage_options": {...} | null, "saves": [[step, value],
-...], "prune_keep": int | null}``. Saves each step with :func:`backends.payload`, then prunes.
+Reads one JSON command per line from stdin, ``{"saves": [[step, value], ...], "prune_keep":
+int | null}``: saves each step with :func:`backends.payload`, then prunes; answers ``done``
+on stdout once the command is complete, so the test can look at the store in between.
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ from backends import install_loopback_guard, payload
 from nbresume.checkpoint.store import CheckpointStore
 
 
-def main(spec: dict[str, object]) -> None:
+def main(location: str, options: dict[str, object] | None) -> None:
     install_loopback_guard()
-    store = CheckpointStore(
-        str(spec["location"]),
-        keep=None,
-        storage_options=spec.get("storage_options") or None,  # type: ignore[arg-type]
-    )
-    for step, value in spec.get("saves") or []:  # type: ignore[attr-defined]
-        store.save(step, **payload(value))
-    if spec.get("prune_keep"):
-        store.prune(keep=spec["prune_keep"])  # type: ignore[arg-type]
+    store = CheckpointStore(location, keep=None, storage_options=options)
+    for line in sys.stdin:
+        command = json.loads(line)
+        for step, value in command.get("saves") or []:
+            store.save(step, **payload(value))
+        if command.get("prune_keep"):
+            store.prune(keep=command["prune_keep"])
+        print("done", flush=True)
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -362,34 +362,59 @@ def test_command_line_verify(backend: Backend, capsys: pytest.CaptureFixture[str
     assert "state.json" in failed[0]
 
 
+class OtherWriter:
+    """Another writer of the same store: a second store object on its own file system
+    instance, or a second process that stays alive between commands."""
+
+    def __init__(self, backend: Backend, kind: str, log: Path) -> None:
+        self.backend = backend
+        self.store = backend.open_elsewhere(keep=None) if kind == "instance" else None
+        self.log = log
+        self.child: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> OtherWriter:
+        if self.store is None:
+            options = json.dumps(self.backend.storage_options or None)
+            with self.log.open("w") as sink:
+                self.child = subprocess.Popen(
+                    [sys.executable, str(OTHER_PROCESS), self.backend.location, options],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=sink,
+                    text=True,
+                )
+        return self
+
+    def run(self, saves: list[tuple[int, int]], prune_keep: int | None = None) -> None:
+        if self.store is not None:
+            for step, value in saves:
+                self.store.save(step, **payload(value))
+            if prune_keep:
+                self.store.prune(keep=prune_keep)
+            return
+        assert self.child is not None
+        assert self.child.stdin is not None
+        assert self.child.stdout is not None
+        self.child.stdin.write(json.dumps({"saves": saves, "prune_keep": prune_keep}) + "\n")
+        self.child.stdin.flush()
+        if self.child.stdout.readline().strip() != "done":
+            self.child.wait(timeout=60)
+            pytest.fail(f"the other process failed:\n{self.log.read_text()}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.child is not None:
+            assert self.child.stdin is not None
+            self.child.stdin.close()
+            if self.child.wait(timeout=60) != 0 and exc[0] is None:
+                pytest.fail(f"the other process failed:\n{self.log.read_text()}")
+
+
 @pytest.mark.parametrize("other", ["instance", "process"])
-def test_what_another_writer_did_is_seen(backend: Backend, other: str) -> None:
+def test_what_another_writer_did_is_seen(backend: Backend, other: str, tmp_path: Path) -> None:
     """A second store object, or a second process, writes and deletes; a long-lived store sees
     exactly the new state (no stale listing or file information from a cache)."""
     if other == "process" and not backend.shared_across_processes:
         pytest.skip(f"{backend.name}:// lives inside one process")
-
-    def run_other(saves: list[tuple[int, int]], prune_keep: int | None = None) -> None:
-        if other == "instance":
-            writer = backend.open_elsewhere(keep=None)
-            for step, value in saves:
-                writer.save(step, **payload(value))
-            if prune_keep:
-                writer.prune(keep=prune_keep)
-            return
-        spec = {
-            "location": backend.location,
-            "storage_options": backend.storage_options or None,
-            "saves": saves,
-            "prune_keep": prune_keep,
-        }
-        done = subprocess.run(
-            [sys.executable, str(OTHER_PROCESS), json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
 
     def value_of(loaded: Any) -> int:
         value: int = loaded.data["state"]["value"]
@@ -397,25 +422,26 @@ def test_what_another_writer_did_is_seen(backend: Backend, other: str) -> None:
         assert np.array_equal(loaded.tensors["model"]["w"].numpy(), expected)
         return value
 
-    reader = backend.open(keep=None)
-    reader.save(1, **payload(1))
-    reader.save(2, **payload(2))  # lists folder 1 first: an s3fs listing is now cached
-    assert steps(reader.list()) == [1, 2]
-    assert value_of(quietly(reader, 1)) == 1
+    with OtherWriter(backend, other, tmp_path / "other.log") as writer:
+        reader = backend.open(keep=None)
+        reader.save(1, **payload(1))
+        reader.save(2, **payload(2))  # lists folder 1 first: an s3fs listing is now cached
+        assert steps(reader.list()) == [1, 2]
+        assert value_of(quietly(reader, 1)) == 1
 
-    run_other([(3, 3), (1, 100)])  # a new checkpoint, and step 1 rewritten with other bytes
-    assert steps(reader.list()) == [1, 2, 3]
-    latest = reader.latest()
-    assert latest is not None
-    assert latest.step == 3
-    assert value_of(quietly(reader)) == 3
-    assert value_of(quietly(reader, 1)) == 100
-    assert reader.verify().summary == "OK 3/3, errors 0"
+        writer.run([(3, 3), (1, 100)])  # a new checkpoint, and step 1 rewritten, other bytes
+        assert steps(reader.list()) == [1, 2, 3]
+        latest = reader.latest()
+        assert latest is not None
+        assert latest.step == 3
+        assert value_of(quietly(reader)) == 3
+        assert value_of(quietly(reader, 1)) == 100
+        assert reader.verify().summary == "OK 3/3, errors 0"
 
-    run_other([], prune_keep=1)
-    assert steps(reader.list()) == [3]
-    assert value_of(quietly(reader)) == 3
-    assert reader.verify().summary == "OK 1/1, errors 0"
+        writer.run([], prune_keep=1)
+        assert steps(reader.list()) == [3]
+        assert value_of(quietly(reader)) == 3
+        assert reader.verify().summary == "OK 1/1, errors 0"
 
 
 def test_storage_options_are_refused_for_a_local_folder(tmp_path: Path) -> None:
