@@ -49,6 +49,8 @@ class Run:
     saved: list[int] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    error: str = ""
     stderr: str = ""
 
     def parse(self, line: str, starts: dict[int, float]) -> tuple[str, list[str]]:
@@ -64,6 +66,10 @@ class Run:
             self.durations.append(float(rest[1]) - starts[step])
         elif kind == "event":
             self.events.append(" ".join(rest))
+        elif kind == "warning":
+            self.warnings.append(" ".join(rest))
+        elif kind == "error":
+            self.error = " ".join(rest)
         return kind, rest
 
 

@@ -239,14 +239,19 @@ class LocalStore(Store):
         return FreeSpace(st.f_bavail * st.f_frsize, inodes)
 
 
+_FSYNC_REFUSED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES}
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
-    except OSError:
+    except OSError as exc:
         # Some file systems (certain FUSE mounts) refuse fsync on a folder; the data files
-        # themselves were fsynced, and verification still reads everything back.
-        pass
+        # themselves were fsynced, and verification still reads everything back. Any other
+        # error (EIO) means the rename may not survive a crash: never report that as saved.
+        if exc.errno not in _FSYNC_REFUSED:
+            raise
     finally:
         os.close(fd)
 

@@ -199,10 +199,14 @@ class CheckpointStore:
         files = self._encode(tensors or {}, data or {})
         final = step_dirname(step)
         needed = sum(size for _, size, _ in files) + SPACE_SLACK
-        self.store.recover(current="")
-        if self.check_space:
-            self._check_space(needed, len(files) + 2)
-        folder = self.store.begin(final)
+        try:
+            self.store.recover(current="")
+            if self.check_space:
+                self._check_space(needed, len(files) + 2)
+            folder = self.store.begin(final)
+        except OSError as exc:
+            # Cleaning up, and creating the temporary folder, fail too on a full or failing disk.
+            raise self._translate(exc, needed, len(files) + 2) from exc
         try:
             entries = {name: self._write_file(folder, name, chunks) for name, _, chunks in files}
             manifest = Manifest(
@@ -217,7 +221,7 @@ class CheckpointStore:
             self.store.commit(folder, final)
         except OSError as exc:
             self.store.discard(folder)
-            raise self._translate(exc, needed) from exc
+            raise self._translate(exc, needed, len(files) + 2) from exc
         except BaseException:
             self.store.discard(folder)
             raise
@@ -232,7 +236,17 @@ class CheckpointStore:
                 fix="the storage returned different bytes than were written; check the disk or "
                 "mount, then save again",
             )
-        self.prune(verify_kept=False)
+        try:
+            self.prune(verify_kept=False)
+        except OSError as exc:
+            # The checkpoint is saved and verified; failing the save now would report a saved
+            # checkpoint as lost. The old one stays until the next save's retention.
+            warnings.warn(
+                f"nbresume: step {step} is saved, but retention could not delete an older "
+                f"checkpoint ({exc}); it is kept for now and retried on the next save",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return info
 
     def _encode(
@@ -316,16 +330,29 @@ class CheckpointStore:
             "or choose a dir= on a larger disk"
         )
 
-    def _translate(self, exc: OSError, needed: int) -> CheckpointError:
+    def _translate(self, exc: OSError, needed: int, inodes: int) -> CheckpointError:
         if exc.errno in _NO_SPACE:
-            free = self.store.free_space().bytes
+            space = self.store.free_space()
+            free = space.bytes
             seen = f"has {format_bytes(free)} free" if free is not None else "is full"
+            fix = self._space_fix()
+            if free is not None and free >= needed:
+                # Bytes are left, so what ran out is inodes (the number of files) or a quota.
+                left = "no" if space.inodes is None else str(space.inodes)
+                seen += f" but {left} free inodes (files) or a full quota"
+                needed_text = f"{inodes} inodes and {format_bytes(needed)}"
+                fix = (
+                    "delete small files there (caches, logs), "
+                    "raise the quota, or choose another dir="
+                )
+            else:
+                needed_text = format_bytes(needed)
             return StorageFullError(
                 f"{self.location} ran out of space while writing a checkpoint: it {seen}, "
-                f"the checkpoint needs {format_bytes(needed)}; the partial checkpoint was removed "
+                f"the checkpoint needs {needed_text}; the partial checkpoint was removed "
                 "and earlier ones are intact",
                 where=self.location,
-                fix=self._space_fix(),
+                fix=fix,
                 needed=needed,
                 free=free,
             )
