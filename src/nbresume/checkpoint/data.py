@@ -97,6 +97,29 @@ class _SeededDataset:
                 numpy.random.set_state(saved[2])
 
 
+class _WorkerInit:
+    """The ``worker_init_fn`` of the DataLoaders nbresume builds: the worker ignores the
+    signals that ask training to stop, then runs the user's own ``worker_init_fn``.
+
+    Slurm (scancel, the time limit) and Ctrl-C in a terminal signal every process of the job.
+    A worker that dies of SIGTERM makes PyTorch raise "DataLoader worker is killed by signal"
+    in the trainer at any point, even inside the save the same signal asked for. The trainer
+    alone decides: it saves at the next step boundary, stops, and shuts its workers down.
+    """
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+
+        for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if self.user is not None:
+            self.user(worker_id)
+
+
 class ResumableLoader:
     """A DataLoader wrapper that knows its exact position and resumes there.
 
@@ -163,7 +186,7 @@ class ResumableLoader:
             "collate_fn": loader.collate_fn,
             "pin_memory": loader.pin_memory,
             "timeout": loader.timeout,
-            "worker_init_fn": loader.worker_init_fn,
+            "worker_init_fn": _WorkerInit(loader.worker_init_fn),
             "multiprocessing_context": loader.multiprocessing_context,
             "generator": torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch) ^ 1),
             "persistent_workers": False,
