@@ -1,12 +1,14 @@
 """A small but complete training run used to prove bit-exact resume.
 
 Usage: python train_cnn.py DIR TOTAL_STEPS [--every N] [--workers N] [--deadline S]
-        [--mode steps|epochs] [--out FILE]
+        [--mode steps|epochs] [--sync] [--trace] [--out FILE]
 
 Small CNN with dropout, AdamW, a OneCycle LR schedule, gradient clipping, a shuffled
 DataLoader with worker processes and random augmentation inside the Dataset. Prints one line
 per completed step ("step N") and, at the end, the SHA-256 of all parameters and optimizer
-state ("final <hash>"), also written to --out.
+state ("final <hash>"), also written to --out. With --trace it also prints every event of
+the Checkpointer except "step" ("event save_started 10", "event verified 10", ...), through
+the public ``callbacks=`` API, so that a test can act at a known point of a save.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ class NoisyDigits(Dataset):
         return x, self.y[i]
 
 
+def say(line: str) -> None:
+    """Print one line. The background writer prints events too: one write per line keeps
+    lines whole (print() writes the text and the newline separately)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def state_hash(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -65,6 +74,7 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=None)
     parser.add_argument("--mode", choices=["steps", "epochs"], default="steps")
     parser.add_argument("--sync", action="store_true")
+    parser.add_argument("--trace", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -84,13 +94,19 @@ def main() -> int:
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=1e-2, total_steps=schedule_steps
     )
+
+    def trace(event: nbresume.Event) -> None:
+        if event.kind != "step":
+            say(f"event {event.kind} {event.step}")
+
     ckpt = nbresume.Checkpointer(
         args.dir, every=args.every, keep=2, deadline=args.deadline, async_save=not args.sync,
+        callbacks=[trace] if args.trace else None,
         model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
     )  # fmt: skip
     data = ckpt.loader()
     ckpt.restore()
-    print(f"start {ckpt.step}", flush=True)
+    say(f"start {ckpt.step}")
 
     def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         x, y = batch
@@ -105,16 +121,16 @@ def main() -> int:
         batches = data.batches()
         for step in ckpt.steps(args.total):
             train_step(next(batches))
-            print(f"step {step + 1}", flush=True)
+            say(f"step {step + 1}")
     else:
         for _epoch in ckpt.epochs(epochs):
             for batch in data:
                 train_step(batch)
-                print(f"step {ckpt.step + 1}", flush=True)
+                say(f"step {ckpt.step + 1}")
     ckpt.close()
     final = state_hash(model, optimizer)
-    print(f"done {ckpt.done} step {ckpt.step}", flush=True)
-    print(f"final {final}", flush=True)
+    say(f"done {ckpt.done} step {ckpt.step}")
+    say(f"final {final}")
     if args.out:
         with open(args.out, "w") as handle:
             handle.write(final)
