@@ -306,3 +306,10 @@ def sweep_events(root: Path, keep: int, *, resave: bool, workdir: Path) -> Itera
         assert not stale, f"{context}: leftovers of the previous kill survived: {stale}"
         resume_from = check_folder(root, keep, reported, max(run.started), context)
         yield died_before
+        if len(step_folders(root)) > keep:
+            # Killed after the commit, before retention: one whole save puts the folder back
+            # in the state of the listing, so that the next index is the same operation.
+            after = run_to_end(root, keep, "--saves", "1", workdir=workdir)
+            reported.update(after.saved)
+            assert after.resumed == resume_from, f"{context}: the next writer resumed elsewhere"
+            resume_from = check_folder(root, keep, reported, max(after.saved), context + ", next")
