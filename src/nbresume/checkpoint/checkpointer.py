@@ -511,8 +511,8 @@ class Checkpointer:
         self._batch_started = now
         if end_of_epoch:
             # The epoch loop saves after the epoch counter moves, so that a checkpoint never
-            # holds a finished loader position with an unfinished epoch.
-            self.events.emit(ev.STEP, self.step, total=self.total, epoch=self.epoch)
+            # holds a finished loader position with an unfinished epoch; its boundary also
+            # reports this step.
             return False
         return self._boundary(final=False)
 
