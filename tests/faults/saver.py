@@ -111,8 +111,8 @@ def _install_kill_switch(die_at: int | None, listing: bool) -> dict[str, Any]:
             if event != "os.mkdir" or not detail.startswith(TEMP_PREFIX):
                 return
             switch["count"] = 0
-        if event == "open" and target.endswith((".py", ".pyc", ".so")):
-            return  # an import, not the checkpoint
+        if event == "open" and (isinstance(args[0], int) or target.endswith((".py", ".pyc"))):
+            return  # an fdopen() right after its os.open(), or an import: nothing new
         index = switch["count"]
         switch["count"] = index + 1
         if event == "os.rename":
@@ -149,7 +149,7 @@ def _install_failures(
     if dir_fsync_errno is not None:
         real_fsync = os.fsync
 
-        def fsync(fd: int) -> None:
+        def fsync(fd: Any) -> None:
             info = os.fstat(fd)
             chosen = only_root is None or os.path.samestat(info, os.stat(only_root))
             if gate["on"] and stat.S_ISDIR(info.st_mode) and chosen:

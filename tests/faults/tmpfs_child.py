@@ -33,7 +33,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from saver import state_for, state_mismatch
+# Run as a script: its own folder is on sys.path (mypy, seeing a package, cannot tell).
+from saver import state_for, state_mismatch  # type: ignore[import-not-found]
 
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import NbresumeError, StorageFullError
