@@ -40,7 +40,13 @@ from nbresume.checkpoint.store import (
     KeepBest,
     VerifyReport,
 )
-from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, UsageError
+from nbresume.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NbresumeError,
+    NoCheckpointError,
+    UsageError,
+)
 
 log = logging.getLogger("nbresume")
 
@@ -438,9 +444,15 @@ class Checkpointer:
     def _raise_background_error(self) -> None:
         error = self._background.take_error()
         if error is not None:
+            # Keep the cause's own place and fix, rendered once (not "... Fix: ... Fix: ...").
+            if isinstance(error, NbresumeError):
+                reason, where, fix = error.message, error.where, error.fix
+            else:
+                reason, where, fix = str(error), "", ""
             raise CheckpointError(
-                f"a background save failed: {error}",
-                fix="the previous checkpoint is intact; fix the cause and save again",
+                f"a background save failed: {reason}",
+                where=where,
+                fix=f"the previous checkpoint is intact; {fix or 'fix the cause and save again'}",
             ) from error
 
     # -- the loops -------------------------------------------------------------------------
