@@ -101,7 +101,11 @@ def test_the_next_call_raises_a_failed_background_save(location: Location, call:
     with pytest.raises(CheckpointError, match="background save failed") as raised:
         SURFACES[call](ckpt)
     assert isinstance(raised.value.__cause__, StorageError)
-    assert str(location.root) in str(raised.value)
+    message = str(raised.value)
+    assert str(location.root) in message
+    assert message.count("Fix:") == 1, message  # one fix, the cause's and the way on
+    assert "previous checkpoint is intact" in message
+    assert raised.value.__cause__.fix in message
     assert failed(events) == [2]
     assert not any(e.kind == "verified" and e.step == 2 for e in events)
 
