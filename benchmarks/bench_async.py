@@ -210,6 +210,10 @@ def seconds(value: float) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def spread(values: list[float]) -> str:
+    return f"{seconds(min(values))} - {seconds(max(values))}"
+
+
 def mbytes(value: float) -> str:
     return f"{value / MB:,.0f} MB"
 
@@ -254,12 +258,15 @@ def report(
         "",
         "## Time the training loop is blocked per save",
         "",
-        "| mode | blocked (median) | end to end (median) | peak extra memory (ru_maxrss) |",
-        "|---|---:|---:|---:|",
-        f"| async_save=True | {seconds(blocked['async'])} | {seconds(e2e['async'])} | "
-        f"{mbytes(rss['async'])} ({rss['async'] / size:.2f}x state) |",
-        f"| async_save=False | {seconds(blocked['sync'])} | {seconds(e2e['sync'])} | "
-        f"{mbytes(rss['sync'])} ({rss['sync'] / size:.2f}x state) |",
+        "| mode | blocked (median) | blocked (min-max) | end to end (median) "
+        "| peak extra memory (ru_maxrss) |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            f"| async_save={mode == 'async'} | {seconds(blocked[mode])} | "
+            f"{spread(pooled(mode, 'blocked'))} | {seconds(e2e[mode])} | "
+            f"{mbytes(rss[mode])} ({rss[mode] / size:.2f}x state) |"
+            for mode in MODES
+        ),
         "",
         f"- Ratio blocked async / blocked sync: **{blocked['async'] / blocked['sync']:.3f}**.",
         f"- First async save (allocates the host buffers): {seconds(first_async)} blocked; "
@@ -281,6 +288,10 @@ def report(
         "a thread. The price is memory: one extra copy of the state, held for the life of the "
         "Checkpointer. async_save=False streams the live tensors to the file and reads the "
         "file back in chunks, so it needs almost no extra memory but blocks for the whole save.",
+        "",
+        "On a machine shared with other work the spread is wide (see the load average); the "
+        "minimum is the closest to the cost on a quiet machine. Compare modes by the ratio of "
+        "medians, taken from children interleaved in time.",
         "",
     ]
     return "\n".join(lines)
