@@ -290,10 +290,6 @@ def test_plain_values_are_saved_and_restored(tmp_path: Path) -> None:
         again["never set"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="state.json is written with sorted keys, so a dict's insertion order is lost",
-)
 def test_a_plain_dict_keeps_its_order(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path / "run", **QUIET)
     ckpt["classes"] = {"zebra": 0, "ant": 1, "moose": 2}  # e.g. turned into a label list

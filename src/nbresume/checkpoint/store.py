@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import IO, Any
@@ -170,7 +170,7 @@ class CheckpointStore:
             raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}")
         self.keep = keep
         self.keep_best = _check_keep_best(keep_best)
-        self.md5 = md5
+        self.md5 = md5 or self.store.reports_md5
         self.check_space = check_space
 
     @property
@@ -189,11 +189,13 @@ class CheckpointStore:
         tensors: Mapping[str, Mapping[str, Any]] | None = None,
         data: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
+        on_committed: Callable[[CheckpointInfo], None] | None = None,
     ) -> CheckpointInfo:
         """Write, commit and verify the checkpoint of ``step``, then apply retention.
 
         ``tensors`` maps a file stem to a flat ``{name: tensor}`` dict (one safetensors file
         each); ``data`` maps a file stem to a JSON-serialisable value (one JSON file each).
+        ``on_committed`` is called between the commit and the verification.
         Returns only after the checkpoint was read back and matched its manifest.
         """
         files = self._encode(tensors or {}, data or {})
@@ -226,6 +228,8 @@ class CheckpointStore:
             self.store.discard(folder)
             raise
         info = CheckpointInfo(step, final, self.store.child(final), manifest)
+        if on_committed is not None:
+            on_committed(info)
         result = self._verify_folder(final, expected_manifest=manifest_bytes)
         if not result.ok:
             # Committed but not what we wrote: never leave a known-bad checkpoint to be found.
@@ -260,7 +264,8 @@ class CheckpointStore:
             )
         for stem, value in data.items():
             try:
-                text = json.dumps(value, indent=1, sort_keys=True).encode()
+                # Insertion order is kept: a restored dict must iterate as the saved one did.
+                text = json.dumps(value, indent=1).encode()
             except (TypeError, ValueError) as exc:
                 raise CheckpointError(
                     f"the value saved as {stem!r} cannot be written as JSON: {exc}",
@@ -536,7 +541,8 @@ class CheckpointStore:
         The newest ``keep`` checkpoints are kept, plus the best by ``keep_best``. With
         ``verify_kept`` (the default) only checkpoints that verify count as kept, so nothing is
         deleted on the strength of a corrupt newer copy; folders that fail are reported by
-        :meth:`verify` and never deleted here.
+        :meth:`verify` and never deleted here. On a write-back store (Google Drive's mount)
+        only checkpoints that the durable store confirmed count as kept.
         """
         keep = self.keep if keep is None else keep
         best = self.keep_best if keep_best is None else _check_keep_best(keep_best)
@@ -546,10 +552,13 @@ class CheckpointStore:
         verdicts: dict[str, bool] = {}
 
         def verified(info: CheckpointInfo) -> bool:
-            if not verify_kept:
-                return True
             if info.name not in verdicts:
-                verdicts[info.name] = self._verify_folder(info.name).ok
+                ok = not verify_kept or self._verify_folder(info.name).ok
+                # Behind a write-back cache (Drive's mount) only what the durable store itself
+                # confirmed counts as kept: else a disconnect could leave no checkpoint at all.
+                if ok and self.store.write_back:
+                    ok = self.store.durability(info.name, info.manifest).saved
+                verdicts[info.name] = ok
             return verdicts[info.name]
 
         kept: list[CheckpointInfo] = []
