@@ -400,10 +400,20 @@ def check_durable(
             )
         return Check("durable folder", "ok", f"{location}: object store, checked at the first save")
     path = Path(location.removeprefix("file://")).expanduser()
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
+    try:
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        is_dir = existing.is_dir()
+    except OSError as exc:  # e.g. a FUSE mount whose daemon died: "Transport endpoint ..."
+        return Check(
+            "durable folder",
+            "fail",
+            f"{path}: cannot be examined: {exc.strerror or exc}",
+            "remount the storage (on Colab: Runtime → Restart session, then mount Drive "
+            "again) or choose another folder (dir=)",
+        )
+    if not is_dir:
         return Check(
             "durable folder",
             "fail",
@@ -424,7 +434,7 @@ def check_durable(
         inodes = st.f_favail if st.f_files else None
     except OSError:
         free, inodes = None, None
-    seen = f"{path}: writable" + ("" if path.exists() else " (will be created)")
+    seen = f"{path}: writable" + ("" if existing == path else " (will be created)")
     seen += f"; {format_bytes(free)} free"
     if inodes is not None:
         seen += f", {inodes:,} inodes free"

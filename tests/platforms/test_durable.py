@@ -154,3 +154,12 @@ def test_a_knob_that_cannot_be_used_names_itself(
     with pytest.raises(UsageError) as caught:
         nbresume.preflight()
     assert variable in str(caught.value)
+
+
+def test_a_folder_that_cannot_even_be_examined_fails_with_a_fix(tmp_path: Path) -> None:
+    # stat() raising something other than "not found" (here: a name too long; on Colab, a
+    # Drive mount whose daemon died) must become a failed check, not a crash.
+    check = nbresume.preflight(dir=tmp_path / ("x" * 300) / "ckpt")["durable folder"]
+    assert check.status == "fail"
+    assert "cannot be examined" in check.seen
+    assert "remount" in check.fix
