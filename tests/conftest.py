@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# No test may reach a real service. The first-cell internet check probes a public host by
+# default; point it (for this process and every child a test starts) at a closed loopback
+# port, so "internet" is deterministically off unless a test brings its own loopback server.
+os.environ.setdefault("NBRESUME_PROBE_HOST", "127.0.0.1")
+os.environ.setdefault("NBRESUME_PROBE_PORT", "9")
 
 
 def spec_manifest(
