@@ -32,6 +32,7 @@ from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.deadline import resolve_deadline
+from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.format import MANIFEST_NAME, parse_step_dirname
 from nbresume.checkpoint.state import capture_rng, flatten, restore_rng, unflatten
 from nbresume.checkpoint.store import (
@@ -189,6 +190,10 @@ class Checkpointer:
         self.cadence = Cadence(every)
         self.async_save = async_save
         self.events = ev.EventBus(callbacks)
+        #: Watches checkpoints on a write-back store (Drive) until the durable copy matches.
+        self.durability = (
+            DurabilityWatcher(self.store, self.events) if self.store.store.write_back else None
+        )
         self.deadline, self.deadline_source = resolve_deadline(deadline)
         self._explicit_deadline = deadline not in (None, "auto")
         self._keep_best = keep_best
@@ -434,6 +439,8 @@ class Checkpointer:
         self.events.emit(
             ev.VERIFIED, info.step, location=info.location, size=info.size, seconds=seconds
         )
+        if self.durability is not None:
+            self.durability.track(info)  # "syncing" until the durable store confirms it
         return info
 
     def wait(self) -> None:

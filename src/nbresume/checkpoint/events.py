@@ -20,6 +20,11 @@ STEP = "step"
 SAVE_STARTED = "save_started"
 COMMITTED = "committed"
 VERIFIED = "verified"
+#: On a write-back store (Google Drive's mount): verified locally, not yet confirmed by the
+#: durable store (data: ``state`` syncing / missing / failed, ``reason``). Not saved yet.
+SYNCING = "syncing"
+#: The durable store itself confirmed every file of the checkpoint: now it is saved.
+DURABLE = "durable"
 FAILED = "failed"
 STOPPING = "stopping"
 DONE = "done"

@@ -16,13 +16,16 @@ import secrets
 import shutil
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
+from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX, Manifest
 from nbresume.errors import StorageError, UsageError
+
+if TYPE_CHECKING:
+    from nbresume.checkpoint.durability import Durability
 
 READ_CHUNK = 8 << 20
 
@@ -45,6 +48,13 @@ class Store(ABC):
     #: Whether a folder can be renamed into place atomically (POSIX) or the manifest alone
     #: commits (object stores).
     atomic_rename: bool
+    #: Whether writes land in a local cache that uploads later (Google Drive's mount): there a
+    #: checkpoint that reads back is only "syncing" until :meth:`durability` says "saved".
+    write_back: bool = False
+    #: Whether the durable store reports each file's MD5 (then manifests record MD5s too).
+    reports_md5: bool = False
+    #: Seconds between two :meth:`durability` checks of a checkpoint still uploading.
+    durability_poll_s: float = 5.0
 
     @property
     @abstractmethod
@@ -99,6 +109,13 @@ class Store(ABC):
     def free_space(self) -> FreeSpace:
         """Free bytes and inodes, where the store can tell."""
         return FreeSpace(None, None)
+
+    def durability(self, folder: str, manifest: Manifest) -> Durability:
+        """What the durable store holds of a checkpoint that verified. Without a write-back
+        cache, what reads back is the durable copy itself: saved."""
+        from nbresume.checkpoint.durability import SAVED, Durability
+
+        return Durability(SAVED)
 
     def read_bytes(self, folder: str, name: str, *, limit: int | None = None) -> bytearray:
         """A whole file, refusing to read more than ``limit`` bytes."""
@@ -364,6 +381,12 @@ class FsspecStore(Store):
         return cleaned
 
 
+#: Functions that may claim a local folder for a store of their own (importing
+#: :mod:`nbresume.platforms.drive` registers one for folders on Google Drive's mount): the
+#: first that returns a store gets the folder, else it is a plain :class:`LocalStore`.
+LOCAL_STORE_HOOKS: list[Callable[[Path], Store | None]] = []
+
+
 def open_store(
     location: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
 ) -> Store:
@@ -380,8 +403,11 @@ def open_store(
             where=text,
             fix="drop storage_options, or give a URL of the store they are meant for",
         )
-    if "://" not in text:
-        return LocalStore(text)
     if local:
-        return LocalStore(text.split("://", 1)[1])
+        path = text.split("://", 1)[1] if "://" in text else text
+        for hook in LOCAL_STORE_HOOKS:
+            claimed = hook(Path(path).expanduser())
+            if claimed is not None:
+                return claimed
+        return LocalStore(path)
     return FsspecStore(text, storage_options=storage_options)

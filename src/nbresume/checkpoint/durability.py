@@ -1,0 +1,142 @@
+"""Saved where it counts: checkpoints whose durable copy lags behind the local write.
+
+Most stores are durable once a checkpoint reads back (a local disk, S3). Google Drive's mount
+is not: a write lands in a local cache and uploads later, and a disconnect loses whatever had
+not uploaded. For such a store (``Store.write_back``), a checkpoint that verified locally is
+*syncing* until the store's :meth:`~nbresume.checkpoint.storage.Store.durability` says that the
+durable copy itself matches the manifest; only then is it *saved*.
+
+:class:`DurabilityWatcher` asks that question in a background thread for each new checkpoint
+and reports the answer through the checkpointer's events (``syncing``, then ``durable``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nbresume.checkpoint import events as ev
+
+if TYPE_CHECKING:
+    from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
+
+log = logging.getLogger("nbresume")
+
+#: Every file of the checkpoint is in the durable store, with the manifest's size and hash.
+SAVED = "saved"
+#: Part of it is there, or some of it is there with other bytes: the upload is under way.
+SYNCING = "syncing"
+#: Nothing of it is in the durable store yet.
+MISSING = "missing"
+#: The durable store could not be asked (an API error, no credentials); ``reason`` says why.
+FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Durability:
+    """What the durable store holds of one checkpoint. Only ``state == "saved"`` is saved."""
+
+    state: str
+    reason: str = ""
+
+    @property
+    def saved(self) -> bool:
+        return self.state == SAVED
+
+    def __str__(self) -> str:
+        return f"{self.state}: {self.reason}" if self.reason else self.state
+
+
+class DurabilityWatcher:
+    """Polls the store about checkpoints that verified locally until each one is durable.
+
+    Emits ``syncing`` when a checkpoint starts being watched and whenever its state changes,
+    and ``durable`` once the store confirms it. Checkpoints that disappear (retention, a newer
+    copy of the same step) are dropped silently.
+    """
+
+    def __init__(self, store: CheckpointStore, events: ev.EventBus) -> None:
+        self.store = store
+        self.events = events
+        self._pending: dict[int, tuple[CheckpointInfo, str, float]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pending(self) -> list[int]:
+        """Steps that verified locally but are not confirmed durable yet, oldest first."""
+        with self._lock:
+            return sorted(self._pending)
+
+    def track(self, info: CheckpointInfo) -> None:
+        """Watch ``info`` (just verified) until the durable store confirms it."""
+        with self._lock:
+            self._pending[info.step] = (info, SYNCING, time.monotonic())
+            if self._thread is None or not self._thread.is_alive():
+                # A daemon: an exiting interpreter must not wait for an upload it cannot speed up.
+                self._thread = threading.Thread(
+                    target=self._run, name="nbresume-durability", daemon=True
+                )
+                self._thread.start()
+        self.events.emit(ev.SYNCING, info.step, location=info.location, state=SYNCING,
+                         reason="verified in the local cache; waiting for the upload")  # fmt: skip
+
+    def check_now(self) -> None:
+        """Ask the store about every pending checkpoint now (rather than at the next poll)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for info, last_state, since in pending:
+            self._check(info, last_state, since)
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        interval = self.store.store.durability_poll_s
+        while not self._closed:
+            self._wake.wait(interval)
+            if self._closed:
+                return
+            try:
+                self.check_now()
+            except Exception:  # a watcher must never take training down
+                log.exception("nbresume: checking whether checkpoints reached the store failed")
+            with self._lock:
+                if not self._pending:
+                    self._thread = None
+                    return
+
+    def _check(self, info: CheckpointInfo, last_state: str, since: float) -> None:
+        try:
+            folders = self.store.store.list_folders()
+        except OSError:
+            folders = [info.name]
+        if info.name not in folders:
+            self._drop(info)  # deleted by retention, or replaced
+            return
+        durability = self.store.store.durability(info.name, info.manifest)
+        if durability.saved:
+            if self._drop(info):
+                self.events.emit(ev.DURABLE, info.step, location=info.location,
+                                 seconds=time.monotonic() - since)  # fmt: skip
+            return
+        if durability.state != last_state:
+            with self._lock:
+                if self._pending.get(info.step, (None,))[0] is not info:
+                    return
+                self._pending[info.step] = (info, durability.state, since)
+            self.events.emit(ev.SYNCING, info.step, location=info.location,
+                             state=durability.state, reason=durability.reason)  # fmt: skip
+
+    def _drop(self, info: CheckpointInfo) -> bool:
+        with self._lock:
+            if self._pending.get(info.step, (None,))[0] is info:
+                del self._pending[info.step]
+                return True
+            return False
