@@ -1,0 +1,611 @@
+"""Google Drive on Colab: mount it, and know what really reached it.
+
+A file written under ``/content/drive`` lands in DriveFS's local cache and is uploaded later;
+when the VM goes away, whatever had not been uploaded is lost, and ``os.fsync`` does not force
+an upload. Reading a checkpoint back from the mount therefore proves only the cache. Here a
+checkpoint counts as saved only when Drive itself, asked through the Drive API v3 (the
+``google-api-python-client`` that Colab ships, with the credentials of
+``google.colab.auth.authenticate_user()``), reports every file of its manifest with the same
+size and MD5. Until then it is *syncing*.
+
+- :func:`mount_drive` mounts Drive (once) and returns the ``MyDrive`` folder.
+- :class:`DriveStore` is the checkpoint store for a folder on the mount: it records MD5s,
+  answers :meth:`~DriveStore.durability` from the API, and deletes checkpoints permanently
+  through the API (a deletion through the mount only moves files to Drive's trash, where they
+  keep using the quota).
+- :func:`flush` wraps ``drive.flush_and_unmount()`` and reports which checkpoints Drive then
+  holds.
+
+Importing this module registers :class:`DriveStore` for every folder inside the mounted
+``MyDrive`` (``storage.LOCAL_STORE_HOOKS``), so ``Checkpointer("/content/drive/MyDrive/x")``
+gets it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nbresume import knobs
+from nbresume.checkpoint import storage
+from nbresume.checkpoint.durability import FAILED, MISSING, SAVED, SYNCING, Durability
+from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX, Manifest
+from nbresume.checkpoint.storage import REPLACED_PREFIX, LocalStore, Store
+from nbresume.errors import StorageError, UsageError
+
+log = logging.getLogger("nbresume")
+
+#: What ``drive_status`` reports per checkpoint (an alias: the state is generic).
+DriveStatus = Durability
+
+FOLDER_MIME = "application/vnd.google-apps.folder"
+_FILE_FIELDS = "nextPageToken, files(id, name, mimeType, size, md5Checksum)"
+DEFAULT_FLUSH_TIMEOUT_MS = 24 * 60 * 60 * 1000  # Colab's own default
+
+
+# -- mounting ---------------------------------------------------------------------------------
+
+
+def mount_drive(mountpoint: str | os.PathLike[str]) -> Path:
+    """Mount Google Drive at ``mountpoint`` (Colab asks the browser for permission the first
+    time) and return its ``MyDrive`` folder.
+
+    An existing mount is kept: remounting kills Colab's DriveFS process, and with it every
+    upload still pending. After mounting, the Drive API is authorised too (a second prompt the
+    first time), so that checkpoints can be confirmed on Drive itself.
+    """
+    mount = os.path.expanduser(os.fspath(mountpoint))
+    my_drive = Path(mount) / "MyDrive"
+    if my_drive.is_dir():
+        return my_drive
+    try:
+        from google.colab import drive
+    except ImportError:
+        raise StorageError(
+            "Google Drive can be mounted only in a Colab runtime (google.colab is missing)",
+            where=mount,
+            fix="pass dir= to nbresume.init: a local folder or an fsspec URL",
+        ) from None
+    try:
+        drive.mount(mount)
+    except NotImplementedError as exc:
+        raise StorageError(
+            f"this runtime cannot mount Google Drive: {exc}",
+            where=mount,
+            fix="pass dir= to nbresume.init: a local folder or an fsspec URL",
+        ) from None
+    except ValueError as exc:
+        raise StorageError(
+            f"mounting Google Drive failed: {exc}", where=mount, fix=_mount_fix(str(exc))
+        ) from None
+    if not my_drive.is_dir():
+        raise StorageError(
+            "Google Drive was mounted but shows no MyDrive folder",
+            where=mount,
+            fix="Runtime → Disconnect and delete runtime, then run the notebook again",
+        )
+    try:
+        DriveApi.shared()
+    except StorageError as exc:
+        warnings.warn(
+            f"nbresume: {exc}. Checkpoints in Drive will show as syncing, never saved, until "
+            "the Drive API can be asked",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return my_drive
+
+
+def _mount_fix(message: str) -> str:
+    if "timeout" in message:
+        return (
+            "Drive took too long to list your files (often: very many files at the top of My "
+            "Drive); run the cell again, or move files into folders"
+        )
+    if "already contain files" in message:
+        return (
+            "the mount point holds files from an earlier mount: Runtime → Disconnect and "
+            f"delete runtime, or set {knobs.DRIVE_MOUNT.name} to an empty folder"
+        )
+    return "run the cell again and allow access to Google Drive when the browser asks"
+
+
+# -- the Drive API ----------------------------------------------------------------------------
+
+
+class DriveApi:
+    """The few Drive API v3 calls nbresume makes: find by path, list a folder, delete
+    permanently, read the quota. Thread-safe (the client itself is not)."""
+
+    _shared: DriveApi | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls) -> DriveApi:
+        """Authorise (``google.colab.auth.authenticate_user()`` on Colab) and build a client."""
+        with contextlib.suppress(ImportError):
+            from google.colab import auth
+
+            try:
+                auth.authenticate_user()
+            except Exception as exc:
+                raise StorageError(
+                    f"the Drive API was not authorised: {exc}",
+                    fix="run `from google.colab import auth; auth.authenticate_user()` and "
+                    "allow access",
+                ) from None
+        try:
+            from googleapiclient.discovery import build
+        except ImportError:
+            raise StorageError(
+                "google-api-python-client is missing, so Drive cannot be asked what it holds",
+                fix="pip install google-api-python-client (Colab ships it)",
+            ) from None
+        root = knobs.DRIVE_API_URL.raw()
+        options = {"api_endpoint": root.rstrip("/") + "/drive/v3/"} if root else None
+        try:
+            # The discovery document bundled with the library: no network round trip.
+            service = build(
+                "drive", "v3", static_discovery=True, cache_discovery=False, client_options=options
+            )
+        except Exception as exc:
+            raise StorageError(
+                f"cannot start a Drive API client: {exc}",
+                fix="run `from google.colab import auth; auth.authenticate_user()` and allow "
+                "access",
+            ) from None
+        return cls(service)
+
+    @classmethod
+    def shared(cls) -> DriveApi:
+        """One client for the process, connected on first use."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls.connect()
+            return cls._shared
+
+    def _execute(self, request: Any) -> Any:
+        with self._lock:
+            return request.execute(num_retries=2)
+
+    def _list(self, q: str) -> list[dict[str, Any]]:
+        files: list[dict[str, Any]] = []
+        token = None
+        while True:
+            page = self._execute(
+                self.service.files().list(
+                    q=q, fields=_FILE_FIELDS, pageSize=1000, spaces="drive", pageToken=token
+                )
+            )
+            files += page.get("files", [])
+            token = page.get("nextPageToken")
+            if not token:
+                return files
+
+    def find(self, parts: Sequence[str]) -> list[dict[str, Any]]:
+        """Every item (not trashed) at the path ``parts`` below My Drive. Drive allows several
+        items of one name in a folder, so there may be more than one."""
+        found: list[dict[str, Any]] = [{"id": "root", "mimeType": FOLDER_MIME}]
+        for name in parts:
+            found = [
+                item
+                for parent in found
+                if parent.get("mimeType") == FOLDER_MIME
+                for item in self.named(name, parent["id"])
+            ]
+            if not found:
+                break
+        return found
+
+    def named(self, name: str, parent_id: str) -> list[dict[str, Any]]:
+        """The items (not trashed) called ``name`` in the folder ``parent_id``."""
+        return self._list(
+            f"name = '{_quote(name)}' and '{parent_id}' in parents and trashed = false"
+        )
+
+    def children(self, folder_id: str) -> list[dict[str, Any]]:
+        """The items (not trashed) directly in a folder, with size and MD5."""
+        return self._list(f"'{folder_id}' in parents and trashed = false")
+
+    def delete(self, file_id: str) -> bool:
+        """Delete permanently (a folder with everything in it), freeing the quota; False when
+        there was no such item."""
+        from googleapiclient.errors import HttpError
+
+        try:
+            self._execute(self.service.files().delete(fileId=file_id))
+        except HttpError as exc:
+            if getattr(exc, "status_code", None) == 404 or exc.resp.status == 404:
+                return False
+            raise
+        return True
+
+    def quota(self) -> dict[str, int]:
+        """``limit``, ``usage``, ``usageInDrive``, ``usageInDriveTrash`` in bytes."""
+        about = self._execute(self.service.about().get(fields="storageQuota"))
+        return {k: int(v) for k, v in about.get("storageQuota", {}).items()}
+
+
+def _quote(name: str) -> str:
+    """A name as a string literal of Drive's query language."""
+    return name.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def _api_problem(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+# -- the store --------------------------------------------------------------------------------
+
+
+class DriveStore(LocalStore):
+    """Checkpoints in a folder of the mounted Drive, confirmed on Drive itself.
+
+    Args:
+        root: a folder inside the mount's ``MyDrive``.
+        my_drive: the ``MyDrive`` folder (default: the nearest ancestor of that name).
+        api: the Drive API client (default: :meth:`DriveApi.shared`, connected now, so that
+            Colab's permission prompt shows in the cell that made the store).
+        poll_s: seconds between two checks of a checkpoint still uploading.
+    """
+
+    write_back = True
+    reports_md5 = True
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        my_drive: str | os.PathLike[str] | None = None,
+        api: DriveApi | None = None,
+        poll_s: float | None = None,
+    ) -> None:
+        super().__init__(root)
+        base = Path(my_drive) if my_drive is not None else _my_drive_of(self.root)
+        real_root, real_base = os.path.realpath(self.root), os.path.realpath(base)
+        if not (real_root + "/").startswith(real_base.rstrip("/") + "/"):
+            raise StorageError(
+                "this folder is not inside Google Drive's MyDrive",
+                where=str(self.root),
+                fix="choose a folder under /content/drive/MyDrive",
+            )
+        self.my_drive = base
+        #: The path of the store's root below My Drive, as Drive's names.
+        self.parts = [p for p in os.path.relpath(real_root, real_base).split(os.sep) if p != "."]
+        self.durability_poll_s = poll_s if poll_s is not None else _poll_s()
+        self._api = api
+        self._api_error = ""
+        self._md5s: dict[tuple[str, str, int], str] = {}
+        self._root_ids: list[str] | None = None
+        if api is None:
+            self._connect()
+
+    def _connect(self) -> DriveApi | None:
+        if self._api is None:
+            try:
+                self._api = DriveApi.shared()
+            except StorageError as exc:
+                self._api_error = str(exc)
+        return self._api
+
+    @property
+    def api(self) -> DriveApi:
+        api = self._connect()
+        if api is None:
+            raise StorageError(self._api_error, where=str(self.root))
+        return api
+
+    # -- what Drive holds ----------------------------------------------------------------
+
+    def expected(self, folder: str, manifest: Manifest) -> dict[str, tuple[int, str]]:
+        """{file name: (size, MD5)} that Drive must report for the checkpoint ``folder``,
+        its manifest included (read from the local copy, which verification has checked)."""
+        out: dict[str, tuple[int, str]] = {}
+        for name, entry in manifest.files.items():
+            out[name] = (entry.size, entry.md5 or self._local_md5(folder, name, entry.size))
+        raw = bytes(self.read_bytes(folder, MANIFEST_NAME))
+        out[MANIFEST_NAME] = (len(raw), hashlib.md5(raw, usedforsecurity=False).hexdigest())
+        return out
+
+    def _local_md5(self, folder: str, name: str, size: int) -> str:
+        # A manifest written without MD5s (older versions): hash the verified local copy once.
+        key = (folder, name, size)
+        if key not in self._md5s:
+            md5 = hashlib.md5(usedforsecurity=False)
+            for chunk in self.iter_chunks(folder, name):
+                md5.update(chunk)
+            self._md5s[key] = md5.hexdigest()
+        return self._md5s[key]
+
+    def _find(self, name: str) -> list[dict[str, Any]]:
+        """The items called ``name`` in the store's folder on Drive.
+
+        The ids of the store's own folder are remembered (a walk from the root costs one call
+        per path component); when they find nothing, they are looked up again, in case the
+        folder was replaced on Drive since.
+        """
+        for cached in (True, False):
+            if not cached or self._root_ids is None:
+                self._root_ids = [i["id"] for i in self.api.find(self.parts)
+                                  if i.get("mimeType") == FOLDER_MIME]  # fmt: skip
+            found = [item for root_id in self._root_ids
+                     for item in self.api.named(name, root_id)]  # fmt: skip
+            if found or not cached:
+                return found
+        return []
+
+    def drive_state(self, folder: str, expected: dict[str, tuple[int, str]]) -> Durability:
+        """Compare what Drive reports for ``folder`` with ``expected`` (see :meth:`expected`)."""
+        where = "/".join(["My Drive", *self.parts, folder])
+        try:
+            folders = [f for f in self._find(folder) if f.get("mimeType") == FOLDER_MIME]
+            remote: dict[str, list[dict[str, Any]]] = {}
+            for item in folders:
+                for child in self.api.children(item["id"]):
+                    remote.setdefault(child["name"], []).append(child)
+        except Exception as exc:
+            return Durability(FAILED, f"cannot ask Google Drive about {where}: {_api_problem(exc)}")
+        if not folders:
+            return Durability(MISSING, f"{where} is not on Google Drive yet")
+        waiting = []
+        for name, (size, md5) in sorted(expected.items()):
+            copies = remote.get(name, [])
+            if not copies:
+                waiting.append(f"{name} (not there yet)")
+            elif len(copies) > 1 and any(_matches(c, size, md5) for c in copies):
+                waiting.append(f"{name} ({len(copies)} copies of that name)")
+            elif not _matches(copies[0], size, md5):
+                got = int(copies[0].get("size") or 0)
+                detail = f"{got} of {size} bytes" if got != size else "other bytes (MD5 differs)"
+                waiting.append(f"{name} ({detail})")
+        if not waiting:
+            return Durability(SAVED)
+        done = len(expected) - len(waiting)
+        return Durability(
+            SYNCING,
+            f"{done} of {len(expected)} files of {where} on Google Drive; waiting for "
+            + ", ".join(waiting[:3])
+            + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""),
+        )
+
+    def durability(self, folder: str, manifest: Manifest) -> Durability:
+        """``saved`` only when Drive reports every file with the manifest's size and MD5."""
+        try:
+            expected = self.expected(folder, manifest)
+        except OSError as exc:
+            return Durability(FAILED, f"cannot read the local copy of {folder}: {exc}")
+        return self.drive_state(folder, expected)
+
+    # -- deleting past the trash -----------------------------------------------------------
+
+    def _drive_ids(self, name: str) -> list[str]:
+        try:
+            return [item["id"] for item in self._find(name)]
+        except Exception as exc:
+            self._warn_trash(name, exc)
+            return []
+
+    def _delete_on_drive(self, name: str, ids: Iterable[str]) -> None:
+        for file_id in ids:
+            try:
+                self.api.delete(file_id)
+            except Exception as exc:
+                self._warn_trash(name, exc)
+
+    def _warn_trash(self, name: str, exc: BaseException) -> None:
+        log.warning(
+            "nbresume: %s could not be deleted permanently from Google Drive (%s); it stays in "
+            "Drive's trash, using quota, until the trash is emptied",
+            self.child(name),
+            _api_problem(exc),
+        )
+
+    def begin(self, final: str) -> str:
+        if not self.my_drive.is_dir():
+            # Unmounted (flush_and_unmount, a crash of DriveFS): writing on would fill the VM's
+            # own disk, which is lost with the VM.
+            raise StorageError(
+                "Google Drive is not mounted",
+                where=str(self.my_drive),
+                fix="mount it again (run nbresume.init again, or drive.mount) and save again",
+            )
+        return super().begin(final)
+
+    def commit(self, folder: str, final: str) -> None:
+        # Replacing a step: the old copy is removed from Drive for good, not trashed.
+        replaced = self._drive_ids(final) if (self.root / final).exists() else []
+        super().commit(folder, final)
+        self._delete_on_drive(final, replaced)
+
+    def delete(self, folder: str) -> None:
+        ids = self._drive_ids(folder)
+        super().delete(folder)
+        self._delete_on_drive(folder, ids)
+
+    def discard(self, folder: str) -> None:
+        ids = self._drive_ids(folder) if (self.root / folder).exists() else []
+        super().discard(folder)
+        self._delete_on_drive(folder, ids)
+
+    def recover(self, current: str) -> list[str]:
+        leftovers = [
+            name
+            for name in self.list_folders()
+            if name != current
+            and name.startswith((TEMP_PREFIX, RETIRED_PREFIX))
+            and not name.startswith(REPLACED_PREFIX)  # may be put back as the step itself
+        ]
+        ids = {name: self._drive_ids(name) for name in leftovers}
+        cleaned = super().recover(current)
+        for name in cleaned:
+            if name in ids and not (self.root / name).exists():
+                self._delete_on_drive(name, ids[name])
+        return cleaned
+
+
+def _poll_s() -> float:
+    text = knobs.DRIVE_POLL_S.raw()
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise UsageError(
+            f"{knobs.DRIVE_POLL_S.name}={text!r} cannot be used",
+            where=f"environment variable {knobs.DRIVE_POLL_S.name}",
+            fix="set it to seconds between 0 and 3600, or unset it for the default (5)",
+        )
+    return value
+
+
+def _matches(item: dict[str, Any], size: int, md5: str) -> bool:
+    return int(item.get("size") or -1) == size and item.get("md5Checksum") == md5
+
+
+def _my_drive_of(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.name == "MyDrive":
+            return candidate
+    raise StorageError(
+        "this folder is not inside Google Drive's MyDrive",
+        where=str(path),
+        fix="choose a folder under /content/drive/MyDrive",
+    )
+
+
+def _hook(path: Path) -> Store | None:
+    """Folders inside the mounted MyDrive become DriveStores (see storage.LOCAL_STORE_HOOKS)."""
+    my_drive = knobs.drive_mount() / "MyDrive"
+    real, base = os.path.realpath(path), os.path.realpath(my_drive)
+    if not (real + "/").startswith(base.rstrip("/") + "/") or not my_drive.is_dir():
+        return None
+    return DriveStore(path, my_drive=my_drive)
+
+
+if _hook not in storage.LOCAL_STORE_HOOKS:
+    storage.LOCAL_STORE_HOOKS.append(_hook)
+
+
+# -- status and flush -------------------------------------------------------------------------
+
+
+def drive_status(location: str | os.PathLike[str] | DriveStore) -> dict[int, Durability]:
+    """{step: what Drive holds of it} for every committed checkpoint in a Drive folder."""
+    from nbresume.checkpoint.store import CheckpointStore
+
+    store = location if isinstance(location, DriveStore) else DriveStore(location)
+    return {info.step: store.durability(info.name, info.manifest)
+            for info in CheckpointStore(store).list()}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    """One checkpoint after a flush: where it was, its step, and what Drive holds of it."""
+
+    location: str
+    step: int
+    status: Durability
+
+    def __str__(self) -> str:
+        return f"{'SAVED' if self.status.saved else 'NOT SAVED':9}  step {self.step}  " + (
+            self.location if self.status.saved else f"{self.location}: {self.status}"
+        )
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What Drive holds after ``flush_and_unmount``: checked through the API, per checkpoint.
+
+    Attributes:
+        results: every checkpoint that was in the folders before the flush.
+        error: the flush's own failure (``flush_and_unmount failed``), or ``""``.
+    """
+
+    results: tuple[FlushResult, ...]
+    error: str = ""
+
+    @property
+    def saved(self) -> list[FlushResult]:
+        return [r for r in self.results if r.status.saved]
+
+    @property
+    def not_saved(self) -> list[FlushResult]:
+        return [r for r in self.results if not r.status.saved]
+
+    @property
+    def ok(self) -> bool:
+        """The flush succeeded and Drive holds every checkpoint."""
+        return not self.error and not self.not_saved
+
+    @property
+    def summary(self) -> str:
+        text = f"on Google Drive: {len(self.saved)}/{len(self.results)} checkpoints saved"
+        return text + (f"; the flush failed: {self.error}" if self.error else "")
+
+    def __str__(self) -> str:
+        return "\n".join([self.summary, *(str(r) for r in self.results)])
+
+
+def flush(
+    *locations: str | os.PathLike[str] | DriveStore,
+    timeout_ms: int = DEFAULT_FLUSH_TIMEOUT_MS,
+) -> FlushReport:
+    """Push every pending upload (``google.colab.drive.flush_and_unmount``, which also
+    unmounts Drive), then ask Drive which checkpoints it holds.
+
+    ``locations`` are checkpoint folders on the mount (default: every run under
+    ``MyDrive/nbresume``). Their checkpoints are listed before the flush, since the mount's
+    files are gone after it. A failed flush is reported in ``error``, never raised: the report
+    still says what landed.
+    """
+    from nbresume.checkpoint.store import CheckpointStore
+
+    if not locations:
+        runs = knobs.drive_mount() / "MyDrive" / "nbresume"
+        locations = tuple(sorted(p for p in runs.iterdir() if p.is_dir())) if runs.is_dir() else ()
+    stores = [loc if isinstance(loc, DriveStore) else DriveStore(loc) for loc in locations]
+    pending = []
+    for store in stores:
+        for info in CheckpointStore(store).list():
+            try:
+                expected = store.expected(info.name, info.manifest)
+            except OSError:
+                continue  # vanished while we looked: retention, or a concurrent writer
+            pending.append((store, info, expected))
+    from google.colab import drive
+
+    error = ""
+    try:
+        drive.flush_and_unmount(timeout_ms=timeout_ms)
+    except ValueError as exc:
+        error = str(exc) or "flush_and_unmount failed"
+    results = tuple(
+        FlushResult(store.child(info.name), info.step, store.drive_state(info.name, expected))
+        for store, info, expected in pending
+    )
+    return FlushReport(results, error)
+
+
+__all__ = [
+    "DriveApi",
+    "DriveStatus",
+    "DriveStore",
+    "FlushReport",
+    "FlushResult",
+    "drive_status",
+    "flush",
+    "mount_drive",
+]
