@@ -105,6 +105,8 @@ class _WorkerInit:
     A worker that dies of SIGTERM makes PyTorch raise "DataLoader worker is killed by signal"
     in the trainer at any point, even inside the save the same signal asked for. The trainer
     alone decides: it saves at the next step boundary, stops, and shuts its workers down.
+    That shutdown itself may end a worker with SIGTERM (``Process.terminate()``, at exit), so
+    SIGTERM from the trainer still ends the worker at once, as PyTorch's own handler does.
     """
 
     def __init__(self, user: Callable[[int], None] | None) -> None:
@@ -112,12 +114,30 @@ class _WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         import signal
+        import threading
 
-        for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+        for name in ("SIGINT", "SIGUSR1"):
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if hasattr(signal, "sigwaitinfo"):
+            # Blocked here and in every thread started from here; one thread takes it.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            threading.Thread(
+                target=_end_on_sigterm_from_parent, name="nbresume-sigterm", daemon=True
+            ).start()
         if self.user is not None:
             self.user(worker_id)
+
+
+def _end_on_sigterm_from_parent() -> None:
+    import os
+    import signal
+
+    parent = os.getppid()
+    while True:
+        sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+        if sender == parent or os.getppid() != parent:
+            os._exit(0)
 
 
 class ResumableLoader:
