@@ -27,7 +27,7 @@ TRAIN = Path(__file__).with_name("train_cnn.py")
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 STEPS_PER_EPOCH = 12  # 96 samples, batches of 8
 #: Longest a single run may take before it is killed and reported as hung.
-HUNG_AFTER_S = 240.0
+HUNG_AFTER_S = 180.0
 
 
 @dataclass
@@ -40,6 +40,8 @@ class Run:
     stderr: str = ""
     signalled: str = ""  # the signal the test sent, and after which line
     hung: bool = False
+    #: Processes of the run (DataLoader workers) still alive after its main process ended.
+    leftovers: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -150,6 +152,7 @@ def train(
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(proc.pid, signum)
         proc.wait()
+        run.leftovers = group_members(proc.pid)
     finally:
         watchdog.cancel()
         kill_group(signal.SIGKILL)  # DataLoader workers left behind by a killed trainer
@@ -160,6 +163,17 @@ def train(
     run.stderr = err_path.read_text()
     assert not run.hung, f"the training run hung\n{run.describe()}"
     return run
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (Linux /proc; empty elsewhere)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.parent.name))
+    return members
 
 
 def checkpoints(folder: Path) -> dict[int, bool]:
@@ -184,4 +198,6 @@ def finished_cleanly(run: Run, total_steps: int) -> str:
         return "a save failed"
     if "Traceback" in run.stderr:
         return "a traceback on stderr"
+    if run.leftovers:
+        return f"processes {run.leftovers} outlived the run"
     return ""

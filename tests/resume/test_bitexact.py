@@ -209,8 +209,8 @@ def test_sigkill_three_times_then_finish_bit_exact(
 def test_many_kills_torture(
     tmp_path: Path, resume_rng: SeededRandom, reference: Reference, mode: str, sync: bool
 ) -> None:
-    """Twenty repetitions of eight kills of random kinds over a longer run."""
-    for repetition in range(20):
+    """Five repetitions of eight kills of random kinds over a longer run."""
+    for repetition in range(5):
         kinds = [
             resume_rng.choice(["save", "mid-epoch", "epoch-boundary", "anywhere"]) for _ in range(8)
         ]
