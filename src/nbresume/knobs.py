@@ -85,6 +85,12 @@ SESSION_CAP = Knob(
     "the platform's session cap as a duration ('9h', '12h') or 'none', instead of the "
     "platform's figure",
 )
+SLURM_REQUEUE = Knob(
+    "NBRESUME_SLURM_REQUEUE",
+    "auto",
+    "after a stop signal in a Slurm job, ask Slurm to requeue it: auto (after SIGUSR1), "
+    "always (SIGUSR1 and SIGTERM) or never",
+)
 
 #: Every knob, by variable name.
 KNOBS: dict[str, Knob] = {
@@ -105,6 +111,7 @@ KNOBS: dict[str, Knob] = {
         PROBE_TIMEOUT,
         SESSION_START,
         SESSION_CAP,
+        SLURM_REQUEUE,
     )
 }
 
@@ -207,6 +214,16 @@ def session_cap() -> float | None:
         return parse_duration(text)
     except ValueError:
         raise _bad(SESSION_CAP, text, "a duration such as '9h' or 'none'") from None
+
+
+def slurm_requeue() -> str:
+    """``"auto"``, ``"always"`` or ``"never"``: when a stopped Slurm job asks to be requeued."""
+    value = SLURM_REQUEUE.raw().strip().lower()
+    value = {"1": "always", "true": "always", "yes": "always", "on": "always"}.get(value, value)
+    value = {"0": "never", "false": "never", "no": "never", "off": "never"}.get(value, value)
+    if value not in ("auto", "always", "never"):
+        raise _bad(SLURM_REQUEUE, value, "auto, always or never")
+    return value
 
 
 def _bad(knob: Knob, value: str, wanted: str) -> UsageError:

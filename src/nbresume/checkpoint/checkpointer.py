@@ -553,6 +553,9 @@ class Checkpointer:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             if signum is not None:
+                from nbresume.slurm import after_stop_save
+
+                after_stop_save(signum, self.step)  # inside a Slurm job: ask to be requeued
                 raise SystemExit(128 + signum)
             return True
         steps_since = self.step - (self._last_saved_step or 0)
