@@ -1,7 +1,7 @@
 """The ``nbresume`` command. Thin: it parses arguments and calls the modules that do the work.
 
-Exit status: 0 success, 1 failure (for ``verify``: any checkpoint that does not verify),
-2 usage error.
+Exit status: 0 success, 1 failure (for ``verify`` and ``pull``: any checkpoint that does not
+verify), 2 usage error. ``nbresume run`` exits with its job's status.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from nbresume.errors import NbresumeError
+from nbresume.errors import NbresumeError, UsageError
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -77,6 +77,61 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from nbresume import runner
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        return _usage(args, "no command to run: nbresume run [OPTIONS] -- CMD ...")
+    state, path = runner.prepare(
+        command, log=args.log, ckpt_dir=args.dir, retries=args.retries, backoff=args.backoff
+    )
+    if args.detach:
+        return runner.run_detached(state, path)
+    return runner.run_attached(state, path)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from nbresume.pull import is_kaggle_ref, kaggle_command
+    from nbresume.runner import status
+
+    if is_kaggle_ref(args.target):
+        try:
+            return kaggle_command("status")(args.target)
+        except UsageError as exc:
+            return _usage(args, str(exc))
+    try:
+        lines, code = status(args.target)
+    except UsageError as exc:
+        return _usage(args, str(exc))
+    print("\n".join(lines))
+    return code
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from nbresume.pull import is_kaggle_ref, kaggle_command, pull
+
+    if is_kaggle_ref(args.src):
+        try:
+            return kaggle_command("pull")(args.src, args.dst)
+        except UsageError as exc:
+            return _usage(args, str(exc))
+    if args.dst is None:
+        return _usage(args, "a destination folder is needed: nbresume pull SRC DST")
+    try:
+        return pull(args.src, args.dst, identity=args.identity, rate=args.limit_rate)
+    except UsageError as exc:
+        return _usage(args, str(exc))
+
+
+def _usage(args: argparse.Namespace, message: str) -> int:
+    """A usage error found after parsing: reported as argparse does, exit status 2."""
+    print(f"nbresume {args.command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from nbresume.demo import run_demo
 
@@ -136,6 +191,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=_positive_int, default=3, help="checkpoints kept (default 3)")
     p.set_defaults(func=_cmd_doctor)
 
+    p = sub.add_parser(
+        "run",
+        help="run a training command that survives the SSH session and is retried after a "
+        "preemption",
+        description="Start CMD in a session of its own (an SSH drop does not stop it), with its "
+        "output appended to a log file, and start the identical command again when something "
+        "outside killed it (a preemption, a kill): it resumes from its newest verified "
+        "checkpoint. A Python exception, a full disk or the out-of-memory killer is not "
+        "retried. Exit status: the job's.",
+    )
+    p.add_argument("--detach", action="store_true", help="return as soon as the job is started")
+    p.add_argument(
+        "--retries", type=_count, default=3, metavar="N", help="retries after a kill (default 3)"
+    )
+    p.add_argument(
+        "--backoff",
+        type=_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="pause before the first retry, doubled each time (default 5)",
+    )
+    p.add_argument(
+        "--log",
+        metavar="FILE",
+        help="log file (default: CKPT_DIR/nbresume-run.log, else ./nbresume-run.log)",
+    )
+    p.add_argument(
+        "--dir", metavar="CKPT_DIR", help="the run's checkpoint folder (for the log and status)"
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "status",
+        help="is the run alive, and how old is its newest verified checkpoint",
+        description="DIR is the folder of a run's log (where `nbresume run` keeps its record) "
+        "or its checkpoint folder. Liveness is judged by the processes and the checkpoint "
+        "age, not by the log. An argument owner/slug (no scheme, not a local path) names a "
+        "Kaggle notebook. Exit status 1 when the run died or failed, or its newest checkpoint "
+        "does not verify.",
+    )
+    p.add_argument("target", metavar="DIR", help="run folder, checkpoint folder, or owner/slug")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "pull",
+        help="copy a run's checkpoints to a local folder, verified and resumable",
+        description="Copy every committed checkpoint of SRC into the local folder DST, each "
+        "file checked against its manifest; an interrupted pull resumes where it stopped. "
+        "SRC: ssh://[user@]host[:port]/path (ssh://host/~/path is relative to the remote "
+        "home), any fsspec URL, or a local path; owner/slug names a Kaggle notebook. Exit "
+        "status 1 when any checkpoint does not verify. Nothing remote is ever deleted.",
+    )
+    p.add_argument("src", metavar="SRC", help="where the checkpoints are")
+    p.add_argument("dst", metavar="DST", nargs="?", help="local folder to copy them into")
+    p.add_argument("-i", "--identity", metavar="KEY_FILE", help="SSH private key (as ssh -i)")
+    p.add_argument(
+        "--limit-rate",
+        type=_rate,
+        metavar="RATE",
+        help="at most RATE bytes per second, such as 500k or 2M",
+    )
+    p.set_defaults(func=_cmd_pull)
+
     p = sub.add_parser("demo", help="show the promise: save, kill -9, restore, verify")
     p.add_argument(
         "--dir", default="nbresume-demo", help="folder for the demo (default ./nbresume-demo)"
@@ -153,6 +272,35 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 3600 seconds, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    from nbresume.pull import parse_rate
+
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _accelerator(text: str) -> str:
