@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from nbresume.checkpoint.format import step_dirname
 from nbresume.cli import main
 from nbresume.pull import is_kaggle_ref
-from nbresume.runner import process_alive
+from nbresume.runner import RunState, boot_id, process_alive, process_start, state_path
 
 from .conftest import (
     HANG_S,
@@ -174,3 +176,47 @@ def test_a_missing_folder_is_a_usage_error(
     code, _, err = status(tmp_path / "nowhere" / "x", capsys)
     assert code == 2
     assert "no such folder" in err
+
+
+def test_a_live_job_that_stopped_saving_is_flagged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], forge_manifest: Callable[..., Path]
+) -> None:
+    # Checkpoints came every 10 minutes until 2 h 40 min ago; the job's process still runs
+    # (here a `sleep`, recorded as the job as `nbresume run` records it).
+    now = datetime.now(timezone.utc)
+    ckpt = tmp_path / "ckpt"
+    for minutes_ago, step in ((180, 100), (170, 200), (160, 300)):
+        folder = ckpt / step_dirname(step)
+        folder.mkdir(parents=True)
+        (folder / "state.json").write_text(f'{{"step": {step}}}')
+        created = (now - timedelta(minutes=minutes_ago)).isoformat(timespec="seconds")
+        forge_manifest(folder, created=created)
+    job = subprocess.Popen(["sleep", "120"])
+    try:
+        state = RunState(
+            command=["python", "train.py"],
+            log=str(ckpt / "nbresume-run.log"),
+            cwd=str(tmp_path),
+            dir=str(ckpt),
+            boot_id=boot_id(),
+            started=(now - timedelta(hours=4)).timestamp(),
+            status="running",
+            supervisor_pid=job.pid,
+            supervisor_start=process_start(job.pid),
+            pid=job.pid,
+            pid_start=process_start(job.pid),
+            pgid=job.pid,
+            attempt=1,
+            attempt_started=(now - timedelta(hours=4)).timestamp(),
+        )
+        state.write(state_path(Path(state.log)))
+
+        code, out, _ = status(ckpt, capsys)
+    finally:
+        job.kill()
+        job.wait()
+
+    assert code == 0, out
+    assert f"process:    running: pid {job.pid}" in out
+    assert "checkpoint: step 300 verified, 2 h 40 min old" in out
+    assert "no new checkpoint for 2 h 40 min, while they came every 10 min before" in out
