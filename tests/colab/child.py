@@ -221,6 +221,21 @@ def init(args: argparse.Namespace, out: Out) -> None:
         store=type(ckpt.store.store).__name__, landed=landed(cloud(), RUN_PARTS))  # fmt: skip
 
 
+def plain_path(args: argparse.Namespace, out: Out) -> None:
+    """A script that mounts Drive itself and hands nbresume a plain path, without init."""
+    import sys
+
+    from google.colab import drive
+
+    from nbresume import Checkpointer, knobs
+
+    drive.mount(str(knobs.drive_mount()))
+    before = "nbresume.platforms.drive" in sys.modules
+    folder = knobs.drive_mount() / "MyDrive" / "plain"
+    ckpt = Checkpointer(str(folder), every=None, async_save=False, weights=Weights(100))
+    out(kind="plain", drive_loaded_before=before, store=type(ckpt.store.store).__name__)
+
+
 def mount_errors(args: argparse.Namespace, out: Out) -> None:
     """What mount_drive says when Colab's mount refuses."""
     from nbresume.errors import StorageError
@@ -242,6 +257,7 @@ COMMANDS = {
     "retention": retention,
     "init": init,
     "mount-errors": mount_errors,
+    "plain-path": plain_path,
 }
 
 

@@ -159,6 +159,13 @@ def test_init_on_colab_mounts_drive_and_keeps_checkpoints_in_mydrive(colab: Cola
     assert any(r["kind"] == "durable" and r["step"] == 5 for r in seen)
 
 
+def test_a_plain_path_on_the_drive_mount_gets_drive_checks_without_init(colab: Colab) -> None:
+    seen = colab.run("plain-path")
+    result = next(r for r in seen if r["kind"] == "plain")
+    assert result["drive_loaded_before"] is False
+    assert result["store"] == "DriveStore"
+
+
 def test_mount_failures_name_the_place_and_the_fix(colab: Colab) -> None:
     busy = colab.tmp / "busy"
     busy.mkdir()

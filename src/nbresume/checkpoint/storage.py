@@ -405,9 +405,20 @@ def open_store(
         )
     if local:
         path = text.split("://", 1)[1] if "://" in text else text
+        _register_platform_hooks(Path(path).expanduser())
         for hook in LOCAL_STORE_HOOKS:
             claimed = hook(Path(path).expanduser())
             if claimed is not None:
                 return claimed
         return LocalStore(path)
     return FsspecStore(text, storage_options=storage_options)
+
+
+def _register_platform_hooks(path: Path) -> None:
+    """A folder on Google Drive's mount gets Drive's own store (a checkpoint there is saved
+    only once Drive confirms it), even when the script never called ``nbresume.init``."""
+    from nbresume import knobs
+
+    mount = os.path.realpath(knobs.drive_mount()).rstrip("/") + "/"
+    if os.path.realpath(path).startswith(mount):
+        import nbresume.platforms.drive  # noqa: F401 - importing it registers its hook
