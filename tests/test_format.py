@@ -295,3 +295,21 @@ def test_an_oversized_manifest_is_refused_before_parsing() -> None:
     padded = text[:-1] + b" " * (9 << 20) + b"}"
     with pytest.raises(CorruptCheckpointError, match="larger than the limit"):
         parse_manifest(padded, where="m")
+
+
+def test_verify_reports_an_uncommitted_folder_as_such_not_as_a_failure(
+    ckpt_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nbresume.cli import main
+
+    save_sample(CheckpointStore(ckpt_dir), 5)
+    save_sample(CheckpointStore(ckpt_dir), 6)
+    (ckpt_dir / step_dirname(6) / "manifest.json").unlink()
+    report = CheckpointStore(ckpt_dir).verify()
+    assert [r.step for r in report.results] == [5]
+    assert report.uncommitted == (step_dirname(6),)
+    assert report.ok
+    assert main(["verify", str(ckpt_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "OK 1/1, errors 0" in out
+    assert f"not checkpoints: {step_dirname(6)}" in out

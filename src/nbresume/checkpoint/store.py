@@ -109,6 +109,9 @@ class VerifyReport:
 
     location: str
     results: tuple[VerifyResult, ...]
+    #: Step folders without a manifest: saves that never committed (on an object store, what
+    #: an interrupted write leaves until the next save cleans it). Not checkpoints, not errors.
+    uncommitted: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -418,11 +421,16 @@ class CheckpointStore:
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """Read back every checkpoint (or the one of ``step``) and compare it with its manifest."""
-        results = []
+        results, uncommitted = [], []
         for found_step, name in reversed(self._checkpoint_folders()):
-            if step is None or found_step == step:
+            if step is not None and found_step != step:
+                continue
+            if self._has_manifest(name):
                 results.append(self._verify_folder(name))
-        return VerifyReport(self.location, tuple(results))
+            else:
+                uncommitted.append(name)
+        return VerifyReport(self.location, tuple(results), tuple(uncommitted))
+
 
     def _verify_folder(self, name: str, expected_manifest: bytes | None = None) -> VerifyResult:
         step = parse_step_dirname(replaced_step(name) or name)
