@@ -464,3 +464,38 @@ def test_nothing_leaves_loopback(network_refusals: list[str]) -> None:
         "socket.getaddrinfo 's3.amazonaws.com'",
     ]
     network_refusals.clear()
+
+
+def test_a_training_run_resumes_exactly_from_this_backend(backend: Backend, tmp_path: Path) -> None:
+    """The Checkpointer on top of the backend: an interrupted run continues bit for bit."""
+    import torch
+
+    from nbresume import Checkpointer
+
+    def train(location: str, options: dict[str, Any], stop_at: int | None) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2),
+                                    torch.nn.Linear(16, 1))  # fmt: skip
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ckpt = Checkpointer(location, every=3, keep=2, deadline=None, async_save=False,
+                            storage_options=options or None,
+                            model=model, optimizer=optimizer)  # fmt: skip
+        for step in ckpt.steps(10):
+            loss = model(torch.randn(4, 8)).pow(2).mean()  # dropout and data draw from the RNG
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step + 1 == stop_at:
+                return {}  # the process "dies" after step 7; the checkpoint of step 6 is there
+        assert ckpt.done
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    uninterrupted = train(str(tmp_path / "reference"), {}, stop_at=None)
+    train(backend.location, backend.storage_options, stop_at=7)
+    resumed = train(backend.location, backend.storage_options, stop_at=None)
+    latest = backend.open(keep=None).latest()
+    assert latest is not None
+    assert latest.step == 10
+    assert resumed.keys() == uninterrupted.keys()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
