@@ -91,6 +91,12 @@ SLURM_REQUEUE = Knob(
     "after a stop signal in a Slurm job, ask Slurm to requeue it: auto (after SIGUSR1), "
     "always (SIGUSR1 and SIGTERM) or never",
 )
+SMOKE_STEPS = Knob(
+    "NBRESUME_SMOKE_STEPS",
+    "",
+    "N: a smoke run; every steps()/epochs() loop saves and stops after N steps, as at a "
+    "deadline (set by `nbresume smoke`)",
+)
 
 #: Every knob, by variable name.
 KNOBS: dict[str, Knob] = {
@@ -112,6 +118,7 @@ KNOBS: dict[str, Knob] = {
         SESSION_START,
         SESSION_CAP,
         SLURM_REQUEUE,
+        SMOKE_STEPS,
     )
 }
 
@@ -223,6 +230,20 @@ def slurm_requeue() -> str:
     value = {"0": "never", "false": "never", "no": "never", "off": "never"}.get(value, value)
     if value not in ("auto", "always", "never"):
         raise _bad(SLURM_REQUEUE, value, "auto, always or never")
+    return value
+
+
+def smoke_steps() -> int | None:
+    """The steps each training loop may run in a smoke run, or ``None`` outside one."""
+    text = SMOKE_STEPS.raw().strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise _bad(SMOKE_STEPS, text, "a number of steps such as 3") from None
+    if value < 1:
+        raise _bad(SMOKE_STEPS, text, "a number of steps such as 3")
     return value
 
 

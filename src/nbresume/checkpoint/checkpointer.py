@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import Any
 
+from nbresume import knobs
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.data import ResumableLoader
@@ -536,6 +537,7 @@ class Checkpointer:
         return self._boundary(final=False)
 
     _batch_started: float | None = None
+    _smoke_stop_at: int | None = None
 
     def _boundary(self, *, final: bool) -> bool:
         """At a step boundary: report progress, save when due, and stop when asked.
@@ -564,6 +566,8 @@ class Checkpointer:
         return False
 
     def _stop_requested(self) -> str:
+        if self._smoke_stop_at is not None and self.step >= self._smoke_stop_at:
+            return f"smoke run: stopped after the steps {knobs.SMOKE_STEPS.name} allows"
         if self._stop_signal is not None:
             return f"received {signal.Signals(self._stop_signal).name}"
         if self.deadline is not None:
@@ -588,6 +592,9 @@ class Checkpointer:
     def _loop(self) -> Iterator[None]:
         """Signals become stop requests handled at the next step boundary, never a write in
         the handler itself."""
+        if not self._in_loop:  # `nbresume smoke`: every loop stops a few steps in
+            smoke = knobs.smoke_steps()
+            self._smoke_stop_at = None if smoke is None else self.step + smoke
         if self._in_loop or threading.current_thread() is not threading.main_thread():
             yield
             return
