@@ -216,7 +216,10 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self._stop_signal: int | None = None
         self._in_loop = False
+        self._save_requested = False  # set from any thread by request_save()
+        self._stop_request = ""  # set from any thread by request_stop()
         atexit.register(self._at_exit)
+        ev.announce(self)  # a notebook panel or a status line subscribes here
 
     # -- registration ----------------------------------------------------------------------
 
@@ -560,12 +563,35 @@ class Checkpointer:
                 after_stop_save(signum, self.step)  # inside a Slurm job: ask to be requeued
                 raise SystemExit(128 + signum)
             return True
+        if self._save_requested:
+            self._save_requested = False
+            self.save()
+            return False
         steps_since = self.step - (self._last_saved_step or 0)
         if self.cadence.due(steps_since, time.monotonic() - self._last_save_time):
             self.save()
         return False
 
+    def request_save(self) -> None:
+        """Ask for a save at the next step boundary. Safe from any thread (a panel's button,
+        a handler): the save itself always happens in the training loop."""
+        self._save_requested = True
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask the running loop to save at the next step boundary and end cleanly, as before a
+        deadline (:attr:`done` stays false). Safe from any thread; a request made while no loop
+        runs is dropped when the next loop starts."""
+        self._stop_request = reason or "stop requested"
+
+    @property
+    def stop_at(self) -> float | None:
+        """When a loop saves and stops for the deadline (a Unix time), with the margin as
+        measured now; ``None`` without a deadline."""
+        return None if self.deadline is None else self.deadline - self._deadline_margin()
+
     def _stop_requested(self) -> str:
+        if self._stop_request:
+            return self._stop_request
         if self._smoke_stop_at is not None and self.step >= self._smoke_stop_at:
             return f"smoke run: stopped after the steps {knobs.SMOKE_STEPS.name} allows"
         if self._stop_signal is not None:
@@ -592,8 +618,12 @@ class Checkpointer:
     def _loop(self) -> Iterator[None]:
         """Signals become stop requests handled at the next step boundary, never a write in
         the handler itself."""
-        if not self._in_loop:  # `nbresume smoke`: every loop stops a few steps in
-            smoke = knobs.smoke_steps()
+        if not self._in_loop:
+            # A stop asked for before this loop, or the reason the last one stopped, is not
+            # meant for this one (epochs() ends early while stop_reason is set).
+            self._stop_request = ""
+            self.stop_reason = ""
+            smoke = knobs.smoke_steps()  # `nbresume smoke`: every loop stops a few steps in
             self._smoke_stop_at = None if smoke is None else self.step + smoke
         if self._in_loop or threading.current_thread() is not threading.main_thread():
             yield

@@ -64,3 +64,24 @@ class EventBus:
                 callback(event)
             except Exception:
                 log.exception("nbresume: a progress callback failed on %s", kind)
+
+
+#: Called with every Checkpointer when it is created; see :func:`watch_checkpointers`.
+_watchers: list[Callable[[Any], None]] = []
+
+
+def watch_checkpointers(callback: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``callback(checkpointer)`` for each Checkpointer created from now on, so that a
+    notebook panel or a terminal status line can subscribe to its events without the core
+    knowing about either. Returns a function that stops watching."""
+    _watchers.append(callback)
+    return lambda: _watchers.remove(callback) if callback in _watchers else None
+
+
+def announce(checkpointer: Any) -> None:
+    """Tell the watchers about a new Checkpointer; a watcher that raises is logged."""
+    for callback in list(_watchers):
+        try:
+            callback(checkpointer)
+        except Exception:
+            log.exception("nbresume: a checkpointer watcher failed")
