@@ -7,6 +7,8 @@ they are used.
 
 from __future__ import annotations
 
+from typing import Any
+
 from nbresume.checkpoint.checkpointer import Checkpointer
 from nbresume.checkpoint.data import ResumableLoader, sample_generator, sample_seed
 from nbresume.checkpoint.events import Event
@@ -32,6 +34,22 @@ from nbresume.preflight import Check, Report, preflight
 from nbresume.run import Run, current_run, init
 
 __version__ = "0.1.0.dev0"
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbresume``: the preflight, the panel and the ``%nbresume`` magics. IPython
+    and ipywidgets are imported here, never by ``import nbresume``."""
+    from nbresume.notebook import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbresume``."""
+    from nbresume.notebook import unload_ipython_extension as unload
+
+    unload(ipython)
+
 
 __all__ = [
     "Check",

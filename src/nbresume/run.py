@@ -140,4 +140,7 @@ def init(
     _Latest.run = run
     if not quiet:
         print(run.summary())
+        from nbresume.notebook import show
+
+        show(run)  # the panel in a notebook, a status line elsewhere (light when neither)
     return run

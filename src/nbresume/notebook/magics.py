@@ -1,0 +1,221 @@
+"""``%nbresume doctor|status|verify|save`` and ``%%nbresume once NAME``.
+
+One magic name with subcommands, like a command line. ``doctor`` and ``verify`` run the very
+code of ``nbresume doctor`` and ``nbresume verify``, so they print the same report. ``once``
+skips a cell that already completed in the run of the last ``nbresume.init`` (its marker is in
+the run's durable folder; see :mod:`nbresume.notebook.once`), so "Run all" after a reconnect
+does not redo an hour of preprocessing.
+"""
+
+from __future__ import annotations
+
+import ast
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from IPython.core.error import UsageError
+
+from nbresume.errors import NbresumeError
+from nbresume.notebook import once as markers
+from nbresume.platforms.base import format_duration
+
+USAGE = """\
+%nbresume doctor [--json] [--accelerator KIND] [--internet|--no-internet] [--dir DIR]
+                       check this machine (the same report as `nbresume doctor`)
+%nbresume status       the run, its progress and its last checkpoint (and the panel)
+%nbresume verify [DIR] read back every checkpoint of the run (or of DIR)
+%nbresume save         save the current training state now, verified
+%%nbresume once NAME [--force]
+                       run this cell once per run: skip it when it already completed"""
+
+
+def nbresume_magic(line: str, cell: str | None = None) -> Any:
+    """The ``%nbresume`` line magic and ``%%nbresume`` cell magic."""
+    __tracebackhide__ = True  # an error in the user's cell shows the cell, not this magic
+    try:
+        words = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"%nbresume {line}: {exc}") from None
+    command, args = (words[0], words[1:]) if words else ("help", [])
+    if cell is not None:
+        if command != "once":
+            raise UsageError(f"%%nbresume {command}: only `%%nbresume once NAME` takes a cell")
+        return run_once(args, cell)
+    commands = {
+        "doctor": doctor,
+        "status": status,
+        "verify": verify,
+        "save": save,
+        "help": _help,
+    }
+    if command == "once":
+        raise UsageError("once applies to a whole cell: start the cell with %%nbresume once NAME")
+    if command not in commands:
+        raise UsageError(f"%nbresume {command}: unknown command\n{USAGE}")
+    try:
+        commands[command](args)
+    except NbresumeError as exc:
+        print(f"nbresume {command}: error: {exc}", file=sys.stderr)
+    return None
+
+
+def _help(args: list[str]) -> None:
+    print(USAGE)
+
+
+def _cli(argv: list[str]) -> int:
+    from nbresume.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:  # --help, or a usage error that argparse already printed
+        return int(exc.code) if isinstance(exc.code, int) else 2
+
+
+def doctor(args: list[str]) -> None:
+    """The report of ``nbresume doctor``, from the same code."""
+    _cli(["doctor", *args])
+
+
+def _state() -> Any:
+    from nbresume.notebook import _extension
+
+    return _extension.state()
+
+
+def status(args: list[str]) -> None:
+    """Print where the run stands; in a notebook, show the panel too."""
+    if args:
+        raise UsageError("%nbresume status takes no arguments")
+    state = _state()
+    print(state.tracker_status_text())
+    state.display_panel()
+
+
+def verify(args: list[str]) -> None:
+    """``nbresume verify`` on the run's folder (after the save in flight, if any)."""
+    if len(args) > 1:
+        raise UsageError("%nbresume verify [DIR]")
+    state = _state()
+    ckpt = state.tracker.checkpointer
+    if args:
+        folder = args[0]
+    elif ckpt is not None:
+        folder = str(ckpt.store.location)
+    else:
+        folder = _run_folder("%nbresume verify")
+    if ckpt is not None and str(ckpt.store.location) == folder:
+        ckpt.wait()  # a save in flight is part of what the user asks about
+    _cli(["verify", folder])
+
+
+def save(args: list[str]) -> None:
+    """Save the shown Checkpointer's state now and wait until it verified."""
+    from nbresume.checkpoint.store import format_bytes
+
+    if args:
+        raise UsageError("%nbresume save takes no arguments")
+    tracker = _state().tracker
+    ckpt = tracker.checkpointer
+    if ckpt is None:
+        print("nbresume save: no Checkpointer in this kernel yet: nothing to save")
+        return
+    if tracker.running:
+        print(f"nbresume save: {tracker.request_save()}")
+        return
+    info = ckpt.save(block=True)
+    if info is None:  # pragma: no cover - a blocking save returns its checkpoint
+        return
+    where = f"step {info.step:,} ({format_bytes(info.size)}) at {info.location}"
+    if getattr(ckpt, "durability", None) is not None:
+        print(f"nbresume save: {where}: verified; syncing until the durable store confirms it")
+    else:
+        print(f"nbresume save: saved {where}: verified")
+
+
+def _run_folder(what: str) -> str:
+    from nbresume.run import current_run
+
+    run = current_run()
+    if run is None:
+        raise UsageError(
+            f"{what} needs a run: call nbresume.init('name') first "
+            "(it chooses the run's durable folder)"
+        )
+    return run.dir
+
+
+def run_once(args: list[str], cell: str) -> Any:
+    """Run ``cell`` unless it already completed in this run; record it when it completes."""
+    __tracebackhide__ = True
+    force = "--force" in args
+    names = [a for a in args if a != "--force"]
+    if len(names) != 1 or any(n.startswith("-") for n in names):
+        raise UsageError("usage: %%nbresume once NAME [--force]")
+    name = names[0]
+    try:
+        markers.check_name(name)
+    except NbresumeError as exc:
+        raise UsageError(str(exc)) from None
+    root = _run_folder("%%nbresume once")
+    record = None if force else markers.read_marker(root, name)
+    if record is not None:
+        print(f"nbresume: skipped {name!r}: {_completed(record)} (--force runs it again)")
+        return None
+    started = time.time()
+    result = _run_cell(cell, name)  # an error propagates: nothing is recorded
+    seconds = time.time() - started
+    record = {
+        "completed": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(seconds, 3),
+    }
+    markers.write_marker(root, name, record)
+    return result
+
+
+def _completed(record: dict[str, Any]) -> str:
+    when = str(record.get("completed", "?"))
+    text = f"it completed in this run at {when}"
+    try:
+        moment = datetime.fromisoformat(when).astimezone(timezone.utc)
+        age = format_duration(time.time() - moment.timestamp())
+        text = f"it completed in this run at {moment:%Y-%m-%d %H:%M:%S} UTC ({age} ago)"
+    except (ValueError, TypeError):
+        pass
+    seconds = record.get("seconds")
+    if isinstance(seconds, (int, float)):
+        text += f" and took {format_duration(seconds)}"
+    return text
+
+
+def _run_cell(cell: str, name: str) -> Any:
+    """Run the cell's code in the user's namespace as a cell would: IPython syntax allowed, the
+    value of a last expression returned (and so displayed). Exceptions propagate."""
+    __tracebackhide__ = True
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:  # pragma: no cover - magics only run inside IPython
+        raise UsageError("%%nbresume once runs inside IPython only")
+    code = shell.transform_cell(cell)
+    try:
+        filename = shell.compile.cache(code, raw_code=cell)  # tracebacks show the cell's lines
+    except Exception:
+        filename = f"<nbresume once {name}>"
+    tree = ast.parse(code, filename=filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    namespace = shell.user_ns
+    exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - the user's own cell
+    if last is not None:
+        return eval(compile(last, filename, "eval"), namespace)  # noqa: S307 - likewise
+    return None
+
+
+def register(shell: Any) -> None:
+    """Register ``%nbresume`` / ``%%nbresume`` (again is harmless: it replaces itself)."""
+    shell.register_magic_function(nbresume_magic, magic_kind="line_cell", magic_name="nbresume")

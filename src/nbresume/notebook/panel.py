@@ -1,0 +1,249 @@
+"""The notebook panel: the run at a glance, live, with "Save now" and "Stop and save".
+
+Built from core ipywidgets controls only (HTML, IntProgress, Button, boxes), so it renders
+wherever ipywidgets do: Colab, Kaggle, JupyterLab, Notebook 7, VS Code. It is a view of a
+:class:`~nbresume.notebook.progress.Tracker`: it renders at most a few times a second while
+training steps, and at once when a checkpoint changes state.
+
+The buttons only ask (``request_save`` / ``request_stop``); the training loop saves or stops at
+its next step boundary. For the click to reach the kernel while the training cell runs, the
+panel pumps widget messages at step boundaries (see :mod:`nbresume.notebook._pump`).
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+
+from nbresume.checkpoint import events as ev
+from nbresume.notebook.progress import (
+    FAILED,
+    FOUND,
+    SAVED,
+    SYNCING,
+    Snapshot,
+    Throttle,
+    Tracker,
+    describe,
+)
+
+if TYPE_CHECKING:
+    from nbresume.notebook._pump import CommPump
+
+#: Seconds between two redraws while steps go by.
+PANEL_INTERVAL_S = 0.25
+
+_STATUS_COLOR = {"ok": "inherit", "warn": "#b45309", "fail": "#b91c1c"}
+_STATE_COLOR = {SAVED: "#15803d", SYNCING: "#b45309", FAILED: "#b91c1c", FOUND: "inherit"}
+_URGENT = (
+    ev.SAVE_STARTED,
+    ev.COMMITTED,
+    ev.VERIFIED,
+    ev.SYNCING,
+    ev.DURABLE,
+    ev.FAILED,
+    ev.STOPPING,
+    ev.DONE,
+    "message",
+)
+
+
+def _esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+class Panel:
+    """The widget tree and its updates. ``panel.widget`` is what gets displayed."""
+
+    def __init__(
+        self, tracker: Tracker, *, pump: CommPump | None = None, interval: float = PANEL_INTERVAL_S
+    ) -> None:
+        self.tracker = tracker
+        self.pump = pump
+        self.title = widgets.HTML()
+        self.facts = widgets.HTML()
+        self.bar = widgets.IntProgress(
+            value=0, min=0, max=1, bar_style="info", layout=widgets.Layout(width="240px")
+        )
+        self.progress = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", width="auto"))
+        self.checkpoint = widgets.HTML()
+        self.session = widgets.HTML()
+        self.save_button = widgets.Button(
+            description="Save now",
+            icon="save",
+            tooltip="Save a checkpoint at the next step boundary",
+        )
+        self.stop_button = widgets.Button(
+            description="Stop and save",
+            icon="stop",
+            button_style="warning",
+            tooltip="Save at the next step boundary and end the training loop",
+        )
+        self.message = widgets.HTML()
+        self.widget = widgets.VBox(
+            [
+                self.title,
+                self.facts,
+                widgets.HBox([self.bar, self.progress]),
+                self.checkpoint,
+                self.session,
+                widgets.HBox([self.save_button, self.stop_button]),
+                self.message,
+            ],
+            layout=widgets.Layout(
+                border="1px solid #d4d4d8", padding="4px 10px", margin="4px 0", width="auto"
+            ),
+        )
+        for name in ("title", "facts", "bar", "progress", "checkpoint", "session", "message"):
+            getattr(self, name).add_class(f"nbresume-{name}")
+        self.widget.add_class("nbresume-panel")
+        self.save_button.add_class("nbresume-save")
+        self.stop_button.add_class("nbresume-stop")
+        self.save_button.on_click(self._on_save)
+        self.stop_button.on_click(self._on_stop)
+        self._lock = threading.Lock()
+        self._throttle = Throttle(interval, self.render)
+        self.renders = 0
+        self.render()
+
+    # -- tracker view ----------------------------------------------------------------------
+
+    def notify(self, event: ev.Event | None) -> None:
+        if event is not None and event.kind == ev.STEP:
+            # The first step of a loop enables "Stop and save" at once; later ones can wait.
+            self._throttle.poke(urgent=self.stop_button.disabled)
+        else:
+            self._throttle.poke(urgent=event is None or event.kind in _URGENT)
+
+    def pump_messages(self) -> None:
+        """At a step boundary: handle the clicks that arrived while the cell runs."""
+        if self.pump is not None:
+            self.pump.poll()
+
+    def render(self) -> None:
+        """Redraw every part from the tracker's snapshot (only parts that changed are sent)."""
+        snap = self.tracker.snapshot()
+        with self._lock:
+            self.renders += 1
+            _set(self.title, self._title_html(snap))
+            _set(self.facts, self._facts_html(snap))
+            total = snap.total or 0
+            step = snap.step or 0
+            if total:
+                _set(self.bar, max(1, total), "max")
+                _set(self.bar, min(step, total))
+            else:
+                _set(self.bar, 1, "max")
+                _set(self.bar, 1 if snap.finished else 0)
+            _set(self.bar, _bar_style(snap), "bar_style")
+            _set(self.progress, self._progress_html(snap))
+            _set(self.checkpoint, self._checkpoint_html(snap))
+            _set(self.session, self._session_html(snap))
+            message = f'<span style="color:#52525b">{_esc(snap.message)}</span>'
+            _set(self.message, message if snap.message else "")
+            _set(self.stop_button, not snap.running, "disabled")
+
+    # -- the parts -------------------------------------------------------------------------
+
+    @staticmethod
+    def _title_html(snap: Snapshot) -> str:
+        run = f" · run <code>{_esc(snap.run_name)}</code>" if snap.run_name else ""
+        verdict = f" · preflight: {_esc(snap.verdict)}" if snap.verdict else ""
+        return f"<b>nbresume</b>{run}{verdict}"
+
+    @staticmethod
+    def _facts_html(snap: Snapshot) -> str:
+        from nbresume.checkpoint.store import format_bytes
+
+        rows = []
+        for fact in snap.facts:
+            if fact.label == "session":
+                continue  # the session row below is live
+            color = _STATUS_COLOR.get(fact.status, "inherit")
+            rows.append((fact.label, f'<span style="color:{color}">{_esc(fact.text)}</span>'))
+        if snap.folder:
+            free = f" · {_esc(format_bytes(snap.free_bytes))} free" if snap.free_bytes else ""
+            rows.append(("checkpoints", f"<code>{_esc(snap.folder)}</code>{free}"))
+        cells = "".join(
+            f'<tr><td style="padding:0 12px 0 0;color:#71717a">{_esc(label)}</td>'
+            f'<td style="padding:0">{value}</td></tr>'
+            for label, value in rows
+        )
+        return f'<table style="border-collapse:collapse;line-height:1.4">{cells}</table>'
+
+    @staticmethod
+    def _progress_html(snap: Snapshot) -> str:
+        step = "" if snap.step is None else str(snap.step)
+        running = "true" if snap.running else "false"
+        return (
+            f'<span data-step="{step}" data-running="{running}">{_esc(snap.progress_text())}</span>'
+        )
+
+    @staticmethod
+    def _checkpoint_html(snap: Snapshot) -> str:
+        last = snap.last
+        if last is None:
+            main = "none yet"
+            attrs = 'data-step="" data-state=""'
+        else:
+            color = _STATE_COLOR.get(last.state, "inherit")
+            main = f'<span style="color:{color}">{_esc(describe(last, snap.now))}</span>'
+            attrs = f'data-step="{last.step}" data-state="{_esc(last.state)}"'
+        extra = ""
+        if snap.saving is not None and (last is None or snap.saving.step > last.step):
+            extra += f" · {_esc(snap.saving.state)} step {snap.saving.step:,}…"
+        if snap.failed is not None and (last is None or snap.failed.step >= last.step):
+            extra += (
+                f' · <span style="color:{_STATE_COLOR[FAILED]}">saving step '
+                f"{snap.failed.step:,} FAILED: {_esc(snap.failed.detail)}</span>"
+            )
+        return f"<span {attrs}>last checkpoint: {main}{extra}</span>"
+
+    @staticmethod
+    def _session_html(snap: Snapshot) -> str:
+        return f"<span>session: {_esc(snap.session_text())}</span>"
+
+    # -- buttons ---------------------------------------------------------------------------
+
+    def _on_save(self, _button: Any) -> None:
+        tracker = self.tracker
+        ckpt = tracker.checkpointer
+        if ckpt is not None and not tracker.running and _in_kernel_thread(self.pump):
+            # Between cells, in the kernel's own thread, nothing else touches the state.
+            tracker.say("saving the current state…")
+            try:
+                info = ckpt.save(block=True)
+            except Exception as exc:
+                tracker.say(f"saving FAILED: {exc}")
+                return
+            step = info.step if info is not None else ckpt.step
+            tracker.say(f"saved step {step:,}")
+            return
+        tracker.say(tracker.request_save())
+
+    def _on_stop(self, _button: Any) -> None:
+        self.tracker.say(self.tracker.request_stop())
+
+
+def _in_kernel_thread(pump: CommPump | None) -> bool:
+    thread = pump.thread if pump is not None else threading.main_thread()
+    return threading.current_thread() is thread
+
+
+def _set(widget: widgets.Widget, value: Any, name: str = "value") -> None:
+    """Set a trait only when it changes: every change is a message to the front-end."""
+    if getattr(widget, name) != value:
+        setattr(widget, name, value)
+
+
+def _bar_style(snap: Snapshot) -> str:
+    if snap.failed is not None:
+        return "danger"
+    if snap.finished:
+        return "success"
+    if snap.stopped:
+        return "warning"
+    return "info"

@@ -1,0 +1,163 @@
+"""The panel's information outside a notebook: one live line in a terminal, log lines otherwise.
+
+On a terminal (the stream is a TTY) the line is redrawn in place with a carriage return, at most
+a few times a second, and ends with a newline when the loop stops or finishes. When the output
+goes to a file or a pipe (a Slurm log, ``nohup``), carriage returns would pile up, so it writes
+plain timestamped lines instead: every checkpoint event at once, progress every ``interval``
+seconds. It writes to stderr by default, as progress bars do, so that stdout stays the
+program's own.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from typing import TextIO
+
+from nbresume.checkpoint import events as ev
+from nbresume.notebook.progress import FAILED, SAVED, Snapshot, Throttle, Tracker, describe
+
+#: Seconds between two progress lines when the output is not a terminal.
+LOG_INTERVAL_S = 60.0
+#: Seconds between two redraws of the live line.
+TTY_INTERVAL_S = 0.25
+
+_CHECKPOINT_EVENTS = (ev.VERIFIED, ev.SYNCING, ev.DURABLE, ev.FAILED)
+
+
+class StatusLine:
+    """Shows a :class:`~nbresume.notebook.progress.Tracker`'s run on a text stream."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        stream: TextIO | None = None,
+        *,
+        tty: bool | None = None,
+        interval: float | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self._stream = stream
+        if tty is None:
+            isatty = getattr(self.stream, "isatty", None)
+            tty = bool(isatty()) if isatty is not None else False
+        self.tty = tty
+        if interval is None:
+            interval = TTY_INTERVAL_S if tty else LOG_INTERVAL_S
+        self._lock = threading.Lock()
+        self._width = 0  # length of the live line now on screen
+        self._throttle = Throttle(interval, self._progress)
+        self._said: dict[int, str] = {}  # the state last logged for each step
+
+    @property
+    def stream(self) -> TextIO:
+        """Where it writes: the given stream, else whatever sys.stderr is now."""
+        return self._stream if self._stream is not None else sys.stderr
+
+    def notify(self, event: ev.Event | None) -> None:
+        if event is None or event.kind == "message":
+            return
+        kind = event.kind
+        if kind == ev.STEP:
+            self._throttle.poke()
+        elif kind in _CHECKPOINT_EVENTS:
+            self._checkpoint(event.step)
+        elif kind in (ev.STOPPING, ev.DONE):
+            self._throttle.cancel()
+            self._end(self.tracker.snapshot())
+        elif self.tty and kind in (ev.SAVE_STARTED, ev.COMMITTED):
+            self._throttle.poke(urgent=True)
+
+    # -- terminal --------------------------------------------------------------------------
+
+    def line(self, snap: Snapshot) -> str:
+        """The one-line summary: progress, the last checkpoint, the session clock, free disk."""
+        from nbresume.checkpoint.store import format_bytes
+
+        parts = [f"nbresume{' ' + snap.run_name if snap.run_name else ''}: {snap.progress_text()}"]
+        parts.append(f"last checkpoint {snap.checkpoint_text()}")
+        if snap.deadline is not None:
+            parts.append(snap.session_text())
+        if snap.free_bytes is not None:
+            parts.append(f"{format_bytes(snap.free_bytes)} free")
+        return " · ".join(parts)
+
+    def _draw(self, text: str) -> None:
+        width = shutil.get_terminal_size((100, 24)).columns - 1
+        if len(text) > width:
+            text = text[: max(0, width - 1)] + "…"
+        with self._lock:
+            pad = max(0, self._width - len(text))
+            self.stream.write("\r" + text + " " * pad)
+            self.stream.flush()
+            self._width = len(text)
+
+    def _newline(self) -> None:
+        with self._lock:
+            if self._width:
+                self.stream.write("\n")
+                self._width = 0
+
+    # -- both ------------------------------------------------------------------------------
+
+    def _progress(self) -> None:
+        snap = self.tracker.snapshot()
+        if self.tty:
+            self._draw(self.line(snap))
+        elif snap.running:
+            self._log(snap.progress_text())
+
+    def _checkpoint(self, step: int) -> None:
+        snap = self.tracker.snapshot()
+        if self.tty:
+            self._draw(self.line(snap))
+            return
+        view = snap.last if snap.last is not None and snap.last.step == step else None
+        if snap.failed is not None and snap.failed.step == step:
+            view = snap.failed
+        if view is None or self._said.get(step) == view.state:
+            return
+        self._said[step] = view.state
+        if view.state == FAILED and view is snap.failed:
+            self._log(f"saving step {step:,} FAILED: {view.detail}")
+        else:
+            text = describe(view, snap.now)
+            if view.state == SAVED and view.detail:
+                text += f" at {view.detail}"
+            self._log(text)
+
+    def _end(self, snap: Snapshot) -> None:
+        if self.tty:
+            self._draw(self.line(snap))
+            self._newline()
+            return
+        if snap.finished:
+            self._log(f"done: {snap.progress_text()}")
+        else:
+            self._log(f"stopped at step {snap.step or 0:,}: {snap.stopped}")
+
+    def _log(self, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        with self._lock:
+            self.stream.write(f"[{stamp}] nbresume: {text}\n")
+            self.stream.flush()
+
+
+def attach(tracker: Tracker, stream: TextIO | None = None) -> StatusLine:
+    """Show ``tracker``'s run on ``stream`` (stderr by default); once per tracker."""
+    for view in tracker.views:
+        if isinstance(view, StatusLine):
+            return view
+    line = StatusLine(tracker, stream)
+    tracker.add_view(line)
+    return line
+
+
+def detach(tracker: Tracker) -> None:
+    """Stop showing the status line."""
+    for view in tracker.views:
+        if isinstance(view, StatusLine):
+            view._throttle.cancel()
+            tracker.remove_view(view)

@@ -1,0 +1,116 @@
+"""Fixtures for the notebook tests: a clean environment, IPython's test shell with a fresh
+extension, and a kernelspec that starts kernels with this virtualenv's Python.
+
+Every knob points into ``tmp_path`` and the internet probe at a closed loopback port, so no
+test reaches the network; kernels started by a test inherit that environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: Environment variables that make a platform recognise itself.
+PLATFORM_VARIABLES = (
+    "COLAB_RELEASE_TAG",
+    "COLAB_TPU_ADDR",
+    "KAGGLE_KERNEL_RUN_TYPE",
+    "KAGGLE_URL_BASE",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_END_TIME",
+    "KUBERNETES_SERVICE_HOST",
+    "SSH_CONNECTION",
+    "SSH_CLIENT",
+    "SSH_TTY",
+    "TPU_NAME",
+)
+
+#: The kernelspec the tests create: this interpreter, whatever `python3` means elsewhere.
+KERNEL_NAME = "nbresume-test-venv"
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (connections to it are refused at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No platform variables, nbresume's folders in ``tmp_path``, no internet, a session that
+    began a minute ago; Jupyter and IPython configuration kept inside ``tmp_path`` too."""
+    for name in [*PLATFORM_VARIABLES, *(v for v in os.environ if v.startswith("NBRESUME_"))]:
+        monkeypatch.delenv(name, raising=False)
+    world = tmp_path / "world"
+    world.mkdir()
+    monkeypatch.setenv("NBRESUME_HOME", str(world / "home"))
+    monkeypatch.setenv("NBRESUME_COLAB_MARKER", str(world / "no-colab"))
+    monkeypatch.setenv("NBRESUME_KAGGLE_ROOT", str(world / "no-kaggle"))
+    monkeypatch.setenv("NBRESUME_PROBE_HOST", "127.0.0.1")
+    monkeypatch.setenv("NBRESUME_PROBE_PORT", str(closed_port()))
+    monkeypatch.setenv("NBRESUME_SESSION_START", str(time.time() - 60))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    return world
+
+
+@pytest.fixture
+def jupyter_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    """Jupyter's folders in ``tmp_path`` and a kernelspec, :data:`KERNEL_NAME`, that runs
+    this virtualenv's Python; returns the environment for servers and kernels."""
+    jupyter = tmp_path / "jupyter"
+    spec = jupyter / "data" / "kernels" / KERNEL_NAME
+    spec.mkdir(parents=True)
+    kernel: dict[str, Any] = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "nbresume tests",
+        "language": "python",
+        "metadata": {"debugger": False},
+    }
+    (spec / "kernel.json").write_text(json.dumps(kernel))
+    for name, sub in (
+        ("JUPYTER_DATA_DIR", "data"),
+        ("JUPYTER_CONFIG_DIR", "config"),
+        ("JUPYTER_RUNTIME_DIR", "runtime"),
+        ("IPYTHONDIR", "ipython"),
+    ):
+        (jupyter / sub).mkdir(exist_ok=True)
+        monkeypatch.setenv(name, str(jupyter / sub))
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter / "data"))
+    monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
+    monkeypatch.delenv("JUPYTER_ALLOW_INSECURE_WRITES", raising=False)
+    return dict(os.environ)
+
+
+@pytest.fixture
+def ipshell(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """IPython's test shell with nbresume not loaded yet and no run: a fresh tracker, a fresh
+    extension state, no watchers left from earlier tests."""
+    pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
+    from IPython.terminal.interactiveshell import TerminalInteractiveShell
+    from IPython.testing.globalipapp import start_ipython
+
+    from nbresume import run as run_module
+    from nbresume.checkpoint import events
+    from nbresume.notebook import _extension, progress
+
+    shell = start_ipython() or TerminalInteractiveShell.instance()  # started once per process
+    monkeypatch.setattr(progress, "_TRACKER", None)
+    monkeypatch.setattr(_extension, "_STATE", None)
+    monkeypatch.setattr(events, "_watchers", [])
+    monkeypatch.setattr(run_module._Latest, "run", None)
+    shell.extension_manager.loaded.discard("nbresume")
+    yield shell
+    state = _extension._STATE
+    if state is not None:
+        state.unregister(shell)
+        state.tracker.stop()
+    shell.extension_manager.loaded.discard("nbresume")

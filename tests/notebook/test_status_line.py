@@ -1,0 +1,120 @@
+"""Outside a notebook: ``nbresume.init`` shows the run as one live line on a terminal, and as
+plain log lines when the output goes to a file or a pipe. A real script in a real process;
+the terminal is a real pseudo-terminal."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import nbresume
+
+    class Model:
+        def __init__(self):
+            self.w = np.zeros(3)
+        def state_dict(self):
+            return {"w": self.w.copy()}
+        def load_state_dict(self, state):
+            self.w = np.asarray(state["w"]).copy()
+
+    run = nbresume.init("script", dir=sys.argv[1], quiet=sys.argv[2] == "quiet")
+    model = Model()
+    ckpt = run.checkpointer(model=model, every=40, async_save=False)
+    for step in ckpt.steps(100):
+        model.w += 1
+        time.sleep(0.01)  # long enough for the live line to be redrawn a few times
+    print("trained", ckpt.step)
+    """
+)
+
+
+def write_script(tmp_path: Path) -> Path:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    return script
+
+
+def test_log_lines_when_the_output_is_not_a_terminal(tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run"), "loud"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "trained 100"  # stdout stays the program's
+    assert "\r" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    stamped = [line for line in lines if re.match(r"\[\d\d:\d\d:\d\d\] nbresume: ", line)]
+    assert stamped == lines
+    saved = [line.split("nbresume: ", 1)[1] for line in lines if " saved " in line]
+    assert [s.split()[1] for s in saved] == ["40", "80", "100"]
+    assert all(str(tmp_path / "run") in s for s in saved)
+    assert "nbresume: done: step 100 of 100 (100%)" in lines[-1]
+    assert lines[-1].endswith(" · done")
+
+
+def test_quiet_init_prints_nothing(tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run"), "quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert proc.stdout == "trained 100\n"
+
+
+def test_one_live_line_on_a_terminal(tmp_path: Path) -> None:
+    script = write_script(tmp_path)
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "run"), "loud"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=terminal,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    os.close(terminal)
+    output = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([controller], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the other end closed: the process is gone
+                break
+            if not chunk:
+                break
+            output += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(controller)
+    assert proc.wait(timeout=60) == 0
+    text = output.decode()
+    frames = [f.strip() for f in text.replace("\r\n", "\n").split("\r") if f.strip()]
+    # Redrawn in place several times, the step going up, and ended by one newline.
+    live = [f for f in frames if f.startswith("nbresume script: step ")]
+    steps = [int(re.match(r"nbresume script: step (\d+)", f).group(1)) for f in live]  # type: ignore[union-attr]
+    assert len(steps) >= 3
+    assert steps == sorted(steps)
+    assert steps[-1] == 100
+    assert "last checkpoint step 100 saved" in live[-1]
+    assert text.count("\n") == 1
+    assert text.endswith("\n")
+    assert "[" not in text.split("\r")[0]  # no log lines on a terminal
