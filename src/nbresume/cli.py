@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from nbresume.errors import NbresumeError, UsageError
 
@@ -138,6 +139,193 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, seed=args.seed)
 
 
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    from nbresume.kaggle.commands import smoke
+
+    return smoke(
+        args.notebook,
+        target=args.platform,
+        steps=args.steps,
+        cell_timeout_s=args.cell_timeout,
+        keep=args.keep,
+    )
+
+
+def _cmd_commit(args: argparse.Namespace) -> int:
+    from nbresume.kaggle.commands import commit
+
+    return commit(
+        args.notebook,
+        kernel=args.kernel,
+        accelerator=args.accelerator,
+        internet=args.internet,
+        private=args.private,
+        title=args.title,
+        smoke_first=args.smoke,
+        allow=frozenset(args.allow or ()),
+        chain=args.chain,
+        legs=args.legs,
+        poll_s=args.poll,
+        timeout_s=args.timeout,
+        output=args.output,
+    )
+
+
+def _cmd_chain(args: argparse.Namespace) -> int:
+    from nbresume.kaggle.commands import chain
+
+    return chain(
+        args.kernel, legs=args.legs, poll_s=args.poll, timeout_s=args.timeout, output=args.output
+    )
+
+
+def _kaggle_ref(text: str) -> str:
+    from nbresume.kaggle.metadata import parse_ref
+
+    try:
+        parse_ref(text)
+    except NbresumeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _kaggle_accelerator(text: str) -> str:
+    from nbresume.kaggle.metadata import parse_accelerator
+
+    try:
+        parse_accelerator(text)
+    except NbresumeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _poll_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 3600, got {value}")
+    return value
+
+
+def _add_chain_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--legs", type=_positive_int, default=3, help="at most this many legs (default 3)"
+    )
+    p.add_argument(
+        "--poll",
+        type=_poll_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="seconds between two status checks (default 60)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_int,
+        metavar="SECONDS",
+        help="Kaggle's limit on one leg's run time (kaggle kernels push --timeout)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="DIR",
+        help="where each leg's output is downloaded (default ./SLUG-chain)",
+    )
+
+
+def _add_kaggle_parsers(sub: Any) -> None:
+    from nbresume.kaggle.lint import RULES
+
+    p = sub.add_parser(
+        "smoke",
+        help="run a notebook twice on clean kernels, a few steps each: save, restart, resume",
+        description="Run NOTEBOOK top to bottom with papermill in a temporary sandbox, every "
+        "steps()/epochs() loop capped to a few steps (it saves and stops as at a deadline), "
+        "then again on a fresh kernel, which must resume from the first run's checkpoint. A "
+        "failure names the cell, its first line and the error. Exit status 1 on a failure.",
+    )
+    p.add_argument("notebook", help="the .ipynb file")
+    p.add_argument(
+        "--platform",
+        choices=("auto", "kaggle", "colab", "local"),
+        default="auto",
+        help="the sandbox: a Kaggle machine, Colab (google.colab needed) or this machine "
+        "(default: colab when the notebook imports google.colab, kaggle when it mentions "
+        "/kaggle/, else local)",
+    )
+    p.add_argument(
+        "--steps", type=_positive_int, default=3, help="steps per training loop (default 3)"
+    )
+    p.add_argument(
+        "--cell-timeout",
+        type=_positive_int,
+        default=600,
+        metavar="SECONDS",
+        help="longest a cell may run (default 600)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the sandbox and executed notebooks")
+    p.set_defaults(func=_cmd_smoke)
+
+    p = sub.add_parser(
+        "commit",
+        help="check a notebook and push it to Kaggle as a batch run (Save & Run All)",
+        description="Refuse a notebook with credentials in its cells or outputs; lint it for "
+        "what breaks a batch run; run the smoke test; write kernel-metadata.json next to it; "
+        "push it with the kaggle client and check Kaggle's answer. Exit status 1 when "
+        "anything refuses (Kaggle's errors included), with what to do.",
+    )
+    p.add_argument("notebook", help="the .ipynb file")
+    p.add_argument(
+        "--kernel", required=True, type=_kaggle_ref, metavar="OWNER/SLUG", help="the notebook"
+    )
+    p.add_argument(
+        "--accelerator",
+        type=_kaggle_accelerator,
+        metavar="KIND",
+        help="t4x2 (the GPU default), p100, tpu, cpu, or a Kaggle machine shape such as "
+        "NvidiaTeslaT4 (default: what nbresume.init asks for, else cpu)",
+    )
+    p.add_argument(
+        "--internet",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="internet on or off (default: what nbresume.init asks for, else on)",
+    )
+    privacy = p.add_mutually_exclusive_group()
+    privacy.add_argument(
+        "--private", dest="private", action="store_true", default=True, help="(the default)"
+    )
+    privacy.add_argument("--public", dest="private", action="store_false", help="make it public")
+    p.add_argument("--title", help="the notebook's title (default: from the slug)")
+    p.add_argument("--no-smoke", dest="smoke", action="store_false", help="skip the smoke run")
+    p.add_argument(
+        "--allow",
+        action="append",
+        choices=RULES,
+        metavar="RULE",
+        help=f"make a lint rule's errors warnings (rules: {', '.join(RULES)})",
+    )
+    p.add_argument(
+        "--chain", action="store_true", help="then follow the run leg after leg until done"
+    )
+    _add_chain_options(p)
+    p.set_defaults(func=_cmd_commit)
+
+    p = sub.add_parser(
+        "chain",
+        help="continue a Kaggle run leg after leg, each leg resuming from the last one's output",
+        description="Wait for the notebook's latest version to finish, download its output "
+        "and verify every checkpoint; if the training is not done, push the next leg, with "
+        "that output attached, to the partner notebook OWNER/SLUG-b (legs alternate between "
+        "the two). Stops at a failed leg (exit status 1), when the training is done, or "
+        "after --legs legs.",
+    )
+    p.add_argument("kernel", type=_kaggle_ref, metavar="OWNER/SLUG", help="the notebook")
+    _add_chain_options(p)
+    p.set_defaults(func=_cmd_chain)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nbresume import __version__
 
@@ -254,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most RATE bytes per second, such as 500k or 2M",
     )
     p.set_defaults(func=_cmd_pull)
+
+    _add_kaggle_parsers(sub)
 
     p = sub.add_parser("demo", help="show the promise: save, kill -9, restore, verify")
     p.add_argument(
