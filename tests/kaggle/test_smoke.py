@@ -1,0 +1,96 @@
+"""``nbresume smoke``: real notebooks, run by papermill on real kernels, twice; the second run
+must resume from the first one's checkpoint, and a failure names the cell and the error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .conftest import Result, copy_notebook, nbresume, user_env
+
+
+def smoke(tmp_path: Path, notebook: Path, *args: str, env: dict[str, str] | None = None) -> Result:
+    return nbresume(
+        ["smoke", str(notebook), *args],
+        cwd=notebook.parent,
+        env=env or user_env(tmp_path, None),
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_a_resumable_notebook_passes_and_the_second_run_resumes(
+    tmp_path: Path, net_log: Path
+) -> None:
+    notebook = copy_notebook("counter.ipynb", tmp_path / "user")
+    before = notebook.read_bytes()
+    result = smoke(tmp_path, notebook, "--platform", "kaggle", "--steps", "3")
+    assert result.code == 0, result.text
+    lines = result.out.splitlines()
+    # Three steps, saved as at a deadline; the fresh kernel continues from there.
+    assert any(line.startswith("  first run: ok") and "counter at step 3" in line for line in lines)
+    assert any(line.startswith("  second run") and "counter at step 6" in line for line in lines), (
+        result.out
+    )
+    assert lines[-1] == "smoke: OK"
+    assert notebook.read_bytes() == before  # the user's notebook is left as it was
+
+
+@pytest.mark.slow
+def test_a_failing_cell_is_named_with_its_first_line_and_error(
+    tmp_path: Path, net_log: Path
+) -> None:
+    notebook = copy_notebook("broken.ipynb", tmp_path / "user")
+    result = smoke(tmp_path, notebook, "--platform", "kaggle")
+    assert result.code == 1
+    # Cell 3 of the notebook (a markdown cell is cell 2), as the editor counts.
+    assert "first run: FAILED at cell 3 (`values = {\"a\": 1}`): KeyError: 'missing'" in result.out
+    assert "second run" not in result.out
+    assert result.out.splitlines()[-1] == "smoke: FAILED"
+
+
+@pytest.mark.slow
+def test_checkpoints_outside_nbresume_folder_do_not_survive_a_kaggle_version(
+    tmp_path: Path, net_log: Path
+) -> None:
+    notebook = copy_notebook("own_folder.ipynb", tmp_path / "user")
+    on_kaggle = smoke(tmp_path, notebook, "--platform", "kaggle")
+    assert on_kaggle.code == 1
+    assert "my-checkpoints: the second run did not resume from step 3" in on_kaggle.out
+    assert "nbresume.init's folder" in on_kaggle.out
+
+
+def test_a_colab_notebook_without_an_importable_google_colab_is_refused_clearly(
+    tmp_path: Path, net_log: Path
+) -> None:
+    folder = tmp_path / "user"
+    folder.mkdir()
+    notebook = folder / "colab.ipynb"
+    cells = [
+        "from google.colab import drive\ndrive.mount('/content/drive')",
+        "import nbresume\nrun = nbresume.init('colab-run')",
+    ]
+    notebook.write_text(
+        json.dumps(
+            {
+                "nbformat": 4,
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "cells": [
+                    {"cell_type": "code", "metadata": {}, "source": s, "outputs": []} for s in cells
+                ],
+            }
+        )
+    )
+    env = user_env(tmp_path, None)
+    # The development environment has nbresume's Colab stand-in installed; this marker makes
+    # it refuse to import, as a machine without google.colab would.
+    marker = tmp_path / "colab-marker"
+    marker.touch()
+    env["COLAB_STANDIN_MARKER"] = str(marker)
+    result = smoke(tmp_path, notebook, env=env)
+    assert result.code == 1
+    assert "(colab sandbox)" in result.out
+    assert "google.colab cannot be imported here" in result.out
+    assert "exists only on Colab" in result.out
