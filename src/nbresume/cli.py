@@ -114,6 +114,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_pull(args: argparse.Namespace) -> int:
     from nbresume.pull import is_kaggle_ref, kaggle_command, pull
 
+    if args.dst and args.output and args.dst != args.output:
+        return _usage(args, "give the destination once: DST or -o DIR")
+    args.dst = args.dst or args.output
     if is_kaggle_ref(args.src):
         try:
             return kaggle_command("pull")(args.src, args.dst)
@@ -434,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", metavar="SRC", help="where the checkpoints are")
     p.add_argument("dst", metavar="DST", nargs="?", help="local folder to copy them into")
+    p.add_argument("-o", "--output", metavar="DIR", help="the same as DST")
     p.add_argument("-i", "--identity", metavar="KEY_FILE", help="SSH private key (as ssh -i)")
     p.add_argument(
         "--limit-rate",
