@@ -210,3 +210,15 @@ def test_buttons_act_while_the_training_cell_runs(frontend: Frontend, tmp_path: 
         "ckpt = run.checkpointer(model=model, every=None, async_save=False)\n"
         "print(ckpt.restore(), 'stopped' if not ckpt.done else 'done')"
     )
+
+
+def test_without_ipywidgets_the_kernel_gets_log_lines(frontend: Frontend, tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    setup = SETUP.replace("%load_ext nbresume", "import sys\nsys.modules['ipywidgets'] = None")
+    frontend.run(f"RUN_DIR = {str(folder)!r}\nTOTAL = 30\n" + setup)
+    loaded = frontend.run("%load_ext nbresume")
+    assert "pip install ipywidgets" in loaded
+    out = frontend.run(TRAIN.replace("every=None", "every=10"))
+    assert "training ended at 30 done" in out
+    assert re.search(r"\] nbresume: step 30 saved", out), out
+    assert not frontend.models  # no widget was created

@@ -9,6 +9,7 @@ loaded: one tracker, one panel, one set of hooks, one magic.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Any
 
@@ -81,7 +82,14 @@ class ExtensionState:
         shell = _shell()
         if shell is None or getattr(shell, "kernel", None) is None:
             return
-        panel = self.ensure_panel(shell)
+        try:
+            panel = self.ensure_panel(shell)
+        except ImportError as exc:  # no ipywidgets in this kernel: log lines instead
+            if not self.displayed:
+                print(f"nbresume: no panel ({exc}): pip install ipywidgets, restart the kernel")
+                status_line.attach(self.tracker, sys.stdout)
+                self.displayed += 1
+            return
         if self.displayed and not again:
             return
         display(panel.widget)  # type: ignore[no-untyped-call]
