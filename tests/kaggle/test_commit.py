@@ -88,7 +88,7 @@ def test_commit_smokes_pushes_runs_and_pull_verifies_every_checkpoint(
     data = bytearray(state_file.read_bytes())
     data[len(data) // 2] ^= 0x01
     state_file.write_bytes(bytes(data))
-    damaged = nbresume(["pull", ref, str(user / "damaged")], cwd=user, env=env)
+    damaged = nbresume(["pull", ref, "-o", str(user / "damaged")], cwd=user, env=env)
     assert damaged.code == 1
     assert "FAIL  000000000010" in damaged.out
     assert damaged.out.splitlines()[-1] == "OK 0/1"
