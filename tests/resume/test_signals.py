@@ -113,11 +113,13 @@ def test_sigterm_sigusr1_sigint_each_save_and_stop_then_resume_bit_exact(
     finish(run_dir, "steps", stopped_at, reference, resume_rng.replay())
 
 
-def test_signals_to_the_whole_process_group_in_an_epoch_loop(
+def test_signals_to_the_whole_job_then_a_double_interrupt_in_an_epoch_loop(
     run_dir: Path, resume_rng: SeededRandom, reference: Reference
 ) -> None:
     """Slurm (``scancel``, the time limit) and Ctrl-C in a terminal signal every process of
-    the job, DataLoader workers included: the trainer must still save and stop cleanly."""
+    the job, DataLoader workers included: the trainer must still save and stop cleanly.
+    Then two interrupts in quick succession: the second does not wait for the boundary;
+    whatever it cut short, every checkpoint on disk verifies and the run resumes exactly."""
     term = stop_with(run_dir, "epochs", signal.SIGTERM, resume_rng, to_group=True)
     assert term.returncode == 128 + signal.SIGTERM, term.describe()
     assert "Traceback" not in term.stderr, term.describe()
@@ -126,22 +128,13 @@ def test_signals_to_the_whole_process_group_in_an_epoch_loop(
     assert interrupt.returncode == -signal.SIGINT, interrupt.describe()
     assert interrupt.stderr.rstrip().endswith("KeyboardInterrupt"), interrupt.describe()
 
-    finish(run_dir, "epochs", interrupt.steps[-1], reference, resume_rng.replay())
-
-
-def test_a_second_interrupt_stops_at_once_and_loses_no_saved_checkpoint(
-    run_dir: Path, resume_rng: SeededRandom, reference: Reference
-) -> None:
-    """Two interrupts in quick succession: the second does not wait for the boundary. Whatever
-    it cut short, every checkpoint on disk verifies and the run resumes exactly."""
-    first = stop_with(run_dir, "steps", signal.SIGTERM, resume_rng)
-    assert first.returncode == 128 + signal.SIGTERM, first.describe()
-    twice = stop_with(run_dir, "steps", signal.SIGINT, resume_rng, twice=True)
+    twice = stop_with(run_dir, "epochs", signal.SIGINT, resume_rng, twice=True)
     assert twice.returncode == -signal.SIGINT, twice.describe()
     assert "KeyboardInterrupt" in twice.stderr, twice.describe()
     found = checkpoints(run_dir)
     assert all(found.values()), f"{found}\n{resume_rng.replay()}\n{twice.describe()}"
-    finish(run_dir, "steps", max(found), reference, resume_rng.replay())
+
+    finish(run_dir, "epochs", max(found), reference, resume_rng.replay())
 
 
 @pytest.mark.torture
