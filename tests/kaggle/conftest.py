@@ -101,6 +101,10 @@ def user_env(tmp_path: Path, server: FakeKaggle | None) -> dict[str, str]:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     env["HOME"] = str(home)
+    # Temporary folders (a failed smoke run keeps its sandbox) stay inside the test's folder.
+    temp = tmp_path / "tmp"
+    temp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(temp)
     env["PYTHONPATH"] = os.pathsep.join([str(NETGUARD), str(HERE.parent.parent / "src")])
     env["NBRESUME_TEST_NET_LOG"] = os.environ["NBRESUME_TEST_NET_LOG"]
     env["PYTHONUNBUFFERED"] = "1"

@@ -94,3 +94,36 @@ def test_a_colab_notebook_without_an_importable_google_colab_is_refused_clearly(
     assert "(colab sandbox)" in result.out
     assert "google.colab cannot be imported here" in result.out
     assert "exists only on Colab" in result.out
+
+
+@pytest.mark.slow
+def test_an_absolute_kaggle_path_fails_with_a_hint(tmp_path: Path, net_log: Path) -> None:
+    folder = tmp_path / "user"
+    folder.mkdir()
+    notebook = folder / "absolute.ipynb"
+    source = 'with open("/kaggle/working/submission.csv", "w") as out:\n    out.write("id\\n")'
+    notebook.write_text(
+        json.dumps(
+            {
+                "nbformat": 4,
+                "nbformat_minor": 5,
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "cells": [
+                    {
+                        "cell_type": "code",
+                        "id": "a1",
+                        "metadata": {},
+                        "source": source,
+                        "outputs": [],
+                        "execution_count": None,
+                    }
+                ],
+            }
+        )
+    )
+    result = smoke(tmp_path, notebook)
+    assert result.code == 1
+    assert "(kaggle sandbox)" in result.out  # it mentions /kaggle/, so it gets Kaggle's layout
+    assert 'cell 1 (`with open("/kaggle/working/submission.csv", "w") as out:`)' in result.out
+    assert "FileNotFoundError" in result.out
+    assert "write relative paths" in result.out

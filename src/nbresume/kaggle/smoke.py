@@ -393,6 +393,12 @@ def _hint(error: str) -> str:
             "device at run time (`'cuda' if torch.cuda.is_available() else 'cpu'`), or commit "
             "with --no-smoke"
         )
+    if "/kaggle/" in error and "no such file" in lowered:
+        return (
+            "paths under /kaggle exist only on Kaggle, and the sandbox cannot create them here: "
+            "write relative paths (a batch run's working folder is /kaggle/working) or use "
+            "run.dir, or run the smoke test in a Kaggle session"
+        )
     if "stdinnotimplemented" in lowered or "raw_input" in lowered:
         return "input() cannot be answered in a batch run; set the value in the code"
     if "name resolution" in lowered or "connection" in lowered:
