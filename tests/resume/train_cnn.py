@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 import nbresume
 
 
-class NoisyDigits(Dataset):
+class NoisyDigits(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Synthetic 1x12x12 images; augmentation draws from the global torch, random and NumPy
     RNGs, as torchvision transforms do."""
 
@@ -112,7 +112,7 @@ def main() -> int:
         x, y = batch
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
