@@ -36,6 +36,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     report = CheckpointStore(args.dir, keep=None).verify()
     for result in report.results:
         print(result)
+    if report.uncommitted:
+        names = ", ".join(report.uncommitted)
+        print(f"(not checkpoints: {names}: a save that never committed; the next save cleans it)")
     if not report.results:
         print(f"no checkpoints in {report.location}: nothing verified")
         return 1

@@ -171,6 +171,8 @@ class Checkpointer:
         async_save: write, commit and verify in the background (training waits only for a copy
             of the state into host memory).
         callbacks: callables that receive every :class:`~nbresume.checkpoint.events.Event`.
+        storage_options: options for the fsspec file system of a URL ``dir`` (credentials,
+            ``endpoint_url``, ...).
         **state: named stateful objects (model, optimizer, scheduler, GradScaler, a
             StatefulDataLoader, a DataLoader) and plain JSON values.
     """
@@ -185,9 +187,12 @@ class Checkpointer:
         deadline: float | int | str | None = "auto",
         async_save: bool = True,
         callbacks: list[ev.Callback] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         **state: Any,
     ) -> None:
-        self.store = CheckpointStore(dir, keep=keep, keep_best=keep_best)
+        self.store = CheckpointStore(
+            dir, keep=keep, keep_best=keep_best, storage_options=storage_options
+        )
         self.cadence = Cadence(every)
         self.async_save = async_save
         self.events = ev.EventBus(callbacks)

@@ -431,7 +431,6 @@ class CheckpointStore:
                 uncommitted.append(name)
         return VerifyReport(self.location, tuple(results), tuple(uncommitted))
 
-
     def _verify_folder(self, name: str, expected_manifest: bytes | None = None) -> VerifyResult:
         step = parse_step_dirname(replaced_step(name) or name)
         assert step is not None
