@@ -423,3 +423,55 @@ def test_model_weights_open_with_the_safetensors_library(tmp_path: Path) -> None
     fresh = nn.Sequential(nn.Embedding(10, 8), nn.BatchNorm1d(8), nn.Linear(8, 10))
     fresh[1].to(torch.bfloat16)
     fresh.load_state_dict(weights)  # the file is a plain state_dict, usable anywhere
+
+
+def _fail_saves_after_step_3(
+    tmp_path: Path, seen: list[int], *, fix_and_stop: bool
+) -> Checkpointer:
+    """Train until a background save really fails (the folder replaced by a file after the
+    save of step 3), wait until that failure is known, then go on (or fix it and ask to stop)."""
+    folder, moved = tmp_path / "run", tmp_path / "moved"
+    failed = threading.Event()
+
+    def on_event(event: Event) -> None:
+        if event.kind == "failed":
+            failed.set()
+
+    ckpt = Checkpointer(
+        folder, every=3, keep=2, deadline=None, model=nn.Linear(2, 2), callbacks=[on_event]
+    )
+    for step in ckpt.steps(100):
+        seen.append(step)
+        if step == 3:
+            ckpt.wait()  # the save of step 3 is on disk
+            folder.rename(moved)
+            folder.write_text("a file where the checkpoints were")
+        if step == 6:  # the save of step 6 started at the last boundary and cannot succeed
+            assert failed.wait(30)
+            while any(t.name == "nbresume-save" for t in threading.enumerate()):
+                time.sleep(0.01)
+            if fix_and_stop:
+                folder.unlink()
+                moved.rename(folder)
+                ckpt.request_stop("asked to stop")
+    return ckpt
+
+
+def test_a_failed_background_save_is_raised_at_the_next_step_boundary(tmp_path: Path) -> None:
+    seen: list[int] = []
+    with pytest.raises(CheckpointError, match="background save failed"):
+        _fail_saves_after_step_3(tmp_path, seen, fix_and_stop=False)
+    # Raised at the first boundary after the failure was known, not `every` steps later.
+    assert seen[-1] == 6
+
+
+def test_a_stop_after_a_failed_background_save_still_saves(tmp_path: Path) -> None:
+    seen: list[int] = []
+    ckpt = _fail_saves_after_step_3(tmp_path, seen, fix_and_stop=True)
+    assert seen[-1] == 6
+    assert ckpt.stop_reason == "asked to stop"
+    assert not ckpt.done
+    latest = ckpt.latest()
+    assert latest is not None
+    assert latest.step == 7
+    assert ckpt.verify().ok

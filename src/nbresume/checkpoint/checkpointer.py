@@ -150,6 +150,11 @@ class _BackgroundSave:
             self._thread.join()
             self._thread = None
 
+    @property
+    def failed(self) -> bool:
+        """Whether the last save finished with an error that nobody has taken yet."""
+        return self._error is not None and not self.busy
+
     def take_error(self) -> BaseException | None:
         error, self._error = self._error, None
         return error
@@ -369,13 +374,21 @@ class Checkpointer:
         With ``async_save`` and ``block=False`` this returns once the state is copied to host
         memory and the write runs in the background; otherwise it returns the verified
         checkpoint. ``metric`` is a number (named by ``keep_best``) or a dict of numbers.
+
+        A background save that failed is raised here; a blocking save instead tries again
+        first (a stop or the final save must not be given up for an older failure), and
+        raises only if it fails too.
         """
-        self._raise_background_error()
         step = self.step if step is None else step
         metrics = self._metrics(metric)
         background = self.async_save and not block
         self._background.wait()  # one save in flight at most; the buffers are reused
-        self._raise_background_error()
+        if background:
+            self._raise_background_error()
+        else:
+            earlier = self._background.take_error()
+            if earlier is not None:
+                log.warning("nbresume: a background save failed (%s); saving again now", earlier)
         snapshot = self._capture(step, metrics, copy=background)
         self._last_saved_step = step
         self._last_save_time = time.monotonic()
@@ -552,7 +565,11 @@ class Checkpointer:
         Returns True when the loop must end now (the state was saved)."""
         self.events.emit(ev.STEP, self.step, total=self.total, epoch=self.epoch)
         if final:
-            return False
+            return False  # the final save is blocking: it retries an earlier failure itself
+        # A background save failed: say so now, not after `every` more steps of training that
+        # could not be saved. A stop request goes first: its blocking save() tries again.
+        if self._background.failed and not self._stop_requested():
+            self._raise_background_error()
         reason = self._stop_requested()
         if reason:
             self.stop_reason = reason
