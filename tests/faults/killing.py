@@ -54,6 +54,8 @@ class Run:
     stderr: str = ""
 
     def parse(self, line: str, starts: dict[int, float]) -> tuple[str, list[str]]:
+        if not line.strip():
+            return "", []
         kind, *rest = line.split()
         if kind == "resumed":
             self.resumed, self.skipped = int(rest[0]), int(rest[1])
@@ -91,7 +93,9 @@ def finish(proc: subprocess.Popen[str], run: Run, starts: dict[int, float], err:
     rest = proc.stdout.read()
     proc.wait()
     proc.stdout.close()
-    for line in rest.splitlines():
+    # A child killed in the middle of a print leaves a partial last line ("saved 1" of
+    # "saved 13 ..."): only whole lines count.
+    for line in rest.split("\n")[:-1]:
         run.parse(line, starts)
     run.returncode = proc.returncode
     run.stderr = err.read_text()
@@ -226,6 +230,8 @@ class Campaign:
         killed_in: int | None = None
         assert proc.stdout is not None
         for line in iter(proc.stdout.readline, ""):
+            if not line.endswith("\n"):
+                break  # the child died mid-print: a partial line says nothing
             kind, rest = run.parse(line, starts)
             if kind == "start" and len(run.started) == target + 1:
                 offset = self.rng.uniform(0.0, self.window())
