@@ -121,6 +121,8 @@ class Job:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            if not line.endswith("\n"):
+                break  # killed mid-print: a partial line says nothing
             self.lines.append(line.rstrip("\n"))
 
     def wait_for_line(self, line: str) -> None:

@@ -139,6 +139,8 @@ def train(
     try:
         assert proc.stdout is not None
         for raw in proc.stdout:
+            if not raw.endswith("\n"):
+                break  # killed mid-print: a partial line ("step 1" of "step 12") says nothing
             run.lines.append(raw.rstrip("\n"))
             if trigger is not None and not run.signalled and trigger(run):
                 if delay:
