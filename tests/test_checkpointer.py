@@ -475,3 +475,61 @@ def test_a_stop_after_a_failed_background_save_still_saves(tmp_path: Path) -> No
     assert latest is not None
     assert latest.step == 7
     assert ckpt.verify().ok
+
+
+def _train_with_body_saves(
+    folder: Path, mode: str, kill_after_save: int | None
+) -> dict[str, torch.Tensor] | None:
+    """Train with the save inside the loop body (after the update, with a metric), as users
+    write it; "die" right after the save number ``kill_after_save``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    ckpt = Checkpointer(folder, every=None, keep=None, deadline=None, async_save=False,
+                        keep_best=("loss", "min"), model=model, optimizer=optimizer,
+                        loader=loader)  # fmt: skip
+    batches = ckpt.loader()
+    saves = 0
+
+    def update(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    if mode == "steps":
+        stream = batches.batches()
+        for step in ckpt.steps(15):
+            loss = update(*next(stream))
+            if step % 4 == 1:
+                ckpt.save(metric=loss)  # after the update: the checkpoint of step + 1
+                saves += 1
+                if saves == kill_after_save:
+                    return None
+    else:
+        for _epoch in ckpt.epochs(4):
+            for x, y in batches:
+                loss = update(x, y)
+            ckpt.save(metric=loss)  # at the end of the epoch, after its last batch
+            saves += 1
+            if saves == kill_after_save:
+                return None
+    assert ckpt.done
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["steps", "epochs"])
+@pytest.mark.parametrize("kill_after_save", [1, 2])
+def test_a_save_inside_the_loop_body_resumes_exactly(
+    tmp_path: Path, mode: str, kill_after_save: int
+) -> None:
+    reference = _train_with_body_saves(tmp_path / "reference", mode, None)
+    assert _train_with_body_saves(tmp_path / "run", mode, kill_after_save) is None
+    resumed = _train_with_body_saves(tmp_path / "run", mode, None)
+    assert reference is not None
+    assert resumed is not None
+    for key, value in reference.items():
+        assert torch.equal(resumed[key], value), key

@@ -369,9 +369,11 @@ class Checkpointer:
         metric: float | Mapping[str, float] | None = None,
         block: bool = False,
     ) -> CheckpointInfo | None:
-        """Save the state now (at a step boundary).
+        """Save the state now.
 
-        With ``async_save`` and ``block=False`` this returns once the state is copied to host
+        Inside a loop body, call it after the step's update: the running step counts as done
+        (the checkpoint is that of ``step + 1``; in ``epochs()``, after the epoch's last batch,
+        that of the next epoch). With ``async_save`` and ``block=False`` this returns once the state is copied to host
         memory and the write runs in the background; otherwise it returns the verified
         checkpoint. ``metric`` is a number (named by ``keep_best``) or a dict of numbers.
 
@@ -379,7 +381,8 @@ class Checkpointer:
         first (a stop or the final save must not be given up for an older failure), and
         raises only if it fails too.
         """
-        step = self.step if step is None else step
+        current_step, epoch = self._position()
+        step = current_step if step is None else step
         metrics = self._metrics(metric)
         background = self.async_save and not block
         self._background.wait()  # one save in flight at most; the buffers are reused
@@ -389,7 +392,7 @@ class Checkpointer:
             earlier = self._background.take_error()
             if earlier is not None:
                 log.warning("nbresume: a background save failed (%s); saving again now", earlier)
-        snapshot = self._capture(step, metrics, copy=background)
+        snapshot = self._capture(step, epoch, metrics, copy=background)
         self._last_saved_step = step
         self._last_save_time = time.monotonic()
         if background:
@@ -409,7 +412,29 @@ class Checkpointer:
         name = self._keep_best[0] if self._keep_best else "metric"
         return {name: float(metric)}
 
-    def _capture(self, step: int, metrics: dict[str, float], *, copy: bool) -> _Snapshot:
+    def _position(self) -> tuple[int, int]:
+        """The (step, epoch) a save made now records.
+
+        Inside a loop body the body's own step counts as done: ``save()`` there is meant to
+        be called after the step's update (or, in ``epochs()``, after the epoch's data), and
+        the state it captures (weights, optimizer, data position) already includes it.
+        """
+        step, epoch = self.step, self.epoch
+        if self._body == "step":
+            return step + 1, epoch
+        if self._body == "epoch":
+            loaders = [o for o in self._objects.values() if isinstance(o, ResumableLoader)]
+            if not loaders:
+                return step + 1, epoch + 1  # an epoch is the step unit
+            if any(loader._holding for loader in loaders):
+                step += 1  # inside a batch: that batch's step
+            if any(loader.epoch > epoch for loader in loaders):
+                epoch += 1  # after the epoch's last batch
+        return step, epoch
+
+    def _capture(
+        self, step: int, epoch: int, metrics: dict[str, float], *, copy: bool
+    ) -> _Snapshot:
         tensors: dict[str, dict[str, Any]] = {}
         documents: dict[str, Any] = {}
         for name, obj in self._objects.items():
@@ -431,7 +456,7 @@ class Checkpointer:
         state = {
             "version": STATE_VERSION,
             "step": step,
-            "epoch": self.epoch,
+            "epoch": epoch,
             "total": self.total,
             "done": self.done,
             "objects": documents,
@@ -501,7 +526,9 @@ class Checkpointer:
         with self._loop():
             while True:
                 started = time.monotonic()
+                self._body = "step"
                 yield self.step
+                self._body = None
                 self.step += 1
                 self.cadence.observe_step(time.monotonic() - started)
                 if self._boundary(final=self.step >= total):
@@ -529,7 +556,9 @@ class Checkpointer:
             try:
                 while self.epoch < count:
                     started = time.monotonic()
+                    self._body = "epoch"
                     yield self.epoch
+                    self._body = None
                     if self.stop_reason:
                         return
                     self.epoch += 1
@@ -558,6 +587,8 @@ class Checkpointer:
         return self._boundary(final=False)
 
     _batch_started: float | None = None
+    #: Which loop body runs now ("step" or "epoch"), between a yield and the next boundary.
+    _body: str | None = None
     _smoke_stop_at: int | None = None
 
     def _boundary(self, *, final: bool) -> bool:

@@ -165,6 +165,8 @@ class ResumableLoader:
         #: Set by the Checkpointer's epoch loop: called when the previous batch is done, with
         #: whether it ended the epoch; returns True to stop (the state has been saved).
         self._on_batch: Callable[[bool], bool] | None = None
+        #: True while the consumer works on the batch it was last handed (its step is running).
+        self._holding = False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -236,7 +238,9 @@ class ResumableLoader:
             self.epoch, self.position = self.epoch + 1, 0
         for batch in self._make_loader(self.position):
             self.position += 1
+            self._holding = True
             yield batch
+            self._holding = False
             if self._on_batch is not None and self._on_batch(self.position >= total):
                 return  # stopping mid-epoch: the position stays where the checkpoint has it
         self.epoch, self.position = self.epoch + 1, 0
