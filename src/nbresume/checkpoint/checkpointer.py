@@ -373,7 +373,9 @@ class Checkpointer:
 
         Inside a loop body, call it after the step's update: the running step counts as done
         (the checkpoint is that of ``step + 1``; in ``epochs()``, after the epoch's last batch,
-        that of the next epoch). With ``async_save`` and ``block=False`` this returns once the state is copied to host
+        that of the next epoch).
+
+        With ``async_save`` and ``block=False`` this returns once the state is copied to host
         memory and the write runs in the background; otherwise it returns the verified
         checkpoint. ``metric`` is a number (named by ``keep_best``) or a dict of numbers.
 
