@@ -175,3 +175,18 @@ def test_commit_stops_on_lint_errors_and_pushes_nothing(
     assert 'error [input] cell 3 (`answer = input("continue? ")`)' in result.err
     assert "nothing was pushed" in result.err
     assert kaggle_server.api_calls() == []
+
+
+def test_a_papermill_parameters_cell_may_come_before_init(tmp_path: Path) -> None:
+    path = tmp_path / "params.ipynb"
+    cells = [
+        {"cell_type": "code", "metadata": {"tags": ["parameters"]}, "outputs": [],
+         "source": "name = 'run'\nsteps = 100"},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "source": FIRST},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "source": WRITES},
+    ]  # fmt: skip
+    kernelspec = {"kernelspec": {"name": "python3", "display_name": "Python 3"}}
+    path.write_text(json.dumps({"nbformat": 4, "metadata": kernelspec, "cells": cells}))
+    assert found(nbfile.load(path)) == []
+    untagged = notebook(tmp_path, "name = 'run'\nsteps = 100", FIRST, WRITES)
+    assert found(untagged) == [("first-cell", "warn", 1)]

@@ -395,8 +395,8 @@ def _first_cell(notebook: Notebook, names: _Names) -> list[Finding]:
     for cell in notebook.code_cells:
         if "%load_ext nbresume" in cell.source:
             return []
-        if _is_setup_only(cell):
-            continue
+        if _is_setup_only(cell) or "parameters" in cell.tags:
+            continue  # installs, and papermill's parameters cell, come before init by design
         tree = cell.python()
         if tree is not None and any(names.is_init(c) for c in _calls(tree)):
             return []

@@ -29,12 +29,14 @@ class Cell:
         kind: ``"code"``, ``"markdown"`` or ``"raw"``.
         source: its text.
         outputs: its saved outputs (code cells), as in the file.
+        tags: its ``metadata.tags`` (papermill's ``parameters`` among them).
     """
 
     number: int
     kind: str
     source: str
     outputs: tuple[Any, ...] = ()
+    tags: tuple[str, ...] = ()
 
     @property
     def first_line(self) -> str:
@@ -145,6 +147,7 @@ def load(path: str | Path) -> Notebook:
                 kind=str(raw.get("cell_type", "")),
                 source=_text(raw.get("source", "")),
                 outputs=tuple(outputs) if isinstance(outputs, list) else (),
+                tags=_tags(raw.get("metadata")),
             )
         )
     metadata = document.get("metadata")
@@ -154,3 +157,8 @@ def load(path: str | Path) -> Notebook:
         cells=tuple(cells),
         document=document,
     )
+
+
+def _tags(metadata: object) -> tuple[str, ...]:
+    tags = metadata.get("tags") if isinstance(metadata, dict) else None
+    return tuple(t for t in tags if isinstance(t, str)) if isinstance(tags, list) else ()

@@ -134,7 +134,7 @@ class KaggleBatchPlatform(KagglePlatform):
             DangerClock(
                 "session cap",
                 self.session_cap_s(accelerated),
-                "the run ends unfinished at 9 h with a GPU or TPU, 12 h on CPU (whether its "
+                "the unfinished run, cut at 9 h with a GPU or TPU, 12 h on CPU (whether its "
                 "output is kept then is not documented)",
                 "deadline='auto' saves and stops before the cap, so the run ends cleanly and "
                 "its output, with the checkpoint, is kept",
