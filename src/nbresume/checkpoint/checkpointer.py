@@ -29,6 +29,7 @@ from types import FrameType
 from typing import Any
 
 from nbresume import knobs
+from nbresume.checkpoint import distributed
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.data import ResumableLoader
@@ -40,8 +41,10 @@ from nbresume.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
     KeepBest,
+    LoadedCheckpoint,
     VerifyReport,
 )
+from nbresume.checkpoint.trainable import TrainableOnly
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -178,6 +181,8 @@ class Checkpointer:
         callbacks: callables that receive every :class:`~nbresume.checkpoint.events.Event`.
         storage_options: options for the fsspec file system of a URL ``dir`` (credentials,
             ``endpoint_url``, ...).
+        trainable_only: save only what trains of every ``nn.Module`` (see
+            :func:`nbresume.trainable_only`): for fine-tuning with frozen weights.
         **state: named stateful objects (model, optimizer, scheduler, GradScaler, a
             StatefulDataLoader, a DataLoader) and plain JSON values.
     """
@@ -193,6 +198,7 @@ class Checkpointer:
         async_save: bool = True,
         callbacks: list[ev.Callback] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        trainable_only: bool = False,
         **state: Any,
     ) -> None:
         self.store = CheckpointStore(
@@ -209,6 +215,7 @@ class Checkpointer:
         self._explicit_deadline = deadline not in (None, "auto")
         self._keep_best = keep_best
         self._objects: dict[str, Any] = {}
+        self._trainable_only = trainable_only
         self._values: dict[str, Any] = {}
         for name, value in state.items():
             self._register(name, value)
@@ -239,6 +246,8 @@ class Checkpointer:
                 f"{name!r} cannot name checkpointed state",
                 fix=f"choose another keyword than {sorted(_RESERVED)}",
             )
+        if self._trainable_only and _is_module(value):
+            value = TrainableOnly(value)
         if _is_dataloader(value):
             value = ResumableLoader(value)
         if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
@@ -281,6 +290,9 @@ class Checkpointer:
         self._objects[name] = wrapped
         if name in self._pending_objects:
             self._load_object(name, wrapped, self._pending_objects.pop(name))
+        group = distributed.current()
+        if group is not None and self._restored:
+            (wrapped.seed,) = group.broadcast_ints([wrapped.seed])  # see _share_loader_seeds
         return wrapped
 
     # -- restore ---------------------------------------------------------------------------
@@ -289,6 +301,9 @@ class Checkpointer:
         """Load the newest checkpoint that verifies into every object; return the step to
         continue from (0 when there is none). Unconditional and idempotent: calling it again
         changes nothing."""
+        group = distributed.current()
+        if group is not None:
+            return self._restore_distributed(group)
         self._raise_background_error()
         if self._restored:
             return self.step
@@ -299,12 +314,60 @@ class Checkpointer:
             if self._any_committed():
                 raise  # checkpoints exist but none verifies: starting over would hide that
             return 0
+        self._apply(loaded, rank=0, world_size=1)
+        return self.step
+
+    def _restore_distributed(self, group: distributed.Group) -> int:
+        """Rank 0 picks the checkpoint (the newest that verifies), every rank loads that step."""
+        if self._restored:
+            return self.step
+        self._restored = True
+        chosen: LoadedCheckpoint | None = None
+        error: BaseException | None = None
+        if group.rank == 0:
+            try:
+                chosen = self.store.load()
+            except NoCheckpointError as exc:
+                if self._any_committed():
+                    error = exc  # checkpoints exist but none verifies
+            except Exception as exc:  # shared below, so that no rank waits for rank 0 alone
+                error = exc
+        problem = group.broadcast_error(error)
+        if problem is not None:
+            raise problem
+        (step,) = group.broadcast_ints([-1 if chosen is None else chosen.step])
+        if step < 0:
+            self._share_loader_seeds(group)
+            return 0
+        if group.rank != 0:
+            try:
+                chosen = self.store.load(step)
+            except Exception as exc:
+                error = exc
+        (failed,) = group.agree([error is not None])
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(
+                f"another process of the job could not load the checkpoint of step {step}",
+                where=self.store.location,
+                fix="every process must see the same checkpoint folder: on several machines, "
+                "put it on a shared file system or an object store; see the failing rank's log",
+            )
+        assert chosen is not None
+        self._apply(chosen, rank=group.rank, world_size=group.world_size)
+        self._share_loader_seeds(group)
+        return self.step
+
+    def _apply(self, loaded: LoadedCheckpoint, *, rank: int, world_size: int) -> None:
+        """Put a loaded checkpoint into every object, value and RNG (this rank's own)."""
         state = loaded.data.get(STATE_FILE)
         where = loaded.location
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise CorruptCheckpointError(
                 "state.json is missing or of an unknown version", where=where
             )
+        rng = _rank_rng(state, rank=rank, world_size=world_size, where=where)
         try:
             objects = state["objects"]
             for name, document in objects.items():
@@ -318,12 +381,12 @@ class Checkpointer:
                     f"nbresume: the checkpoint at {where} holds no state for {name!r}; "
                     "it keeps its current state",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=4,
                 )
             values = unflatten(state.get("values", {}), loaded.tensors.get(VALUES_GROUP, {}),
                                where=where)  # fmt: skip
             self._values.update(values)
-            restore_rng(unflatten(state["rng"], loaded.tensors.get(RNG_GROUP, {}), where=where))
+            restore_rng(unflatten(rng, loaded.tensors.get(RNG_GROUP, {}), where=where))
             self.step = int(state["step"])
             self.epoch = int(state["epoch"])
             saved_total = state.get("total")
@@ -333,7 +396,18 @@ class Checkpointer:
         self.restored_step = self.step
         self._last_saved_step = self.step
         log.info("nbresume: resumed from step %d (%s)", self.step, where)
-        return self.step
+
+    def _share_loader_seeds(self, group: distributed.Group) -> None:
+        """Give every rank rank 0's data seeds. A restored loader gets rank 0's seed from the
+        checkpoint anyway; sharing it from the start makes a resumed run draw the same
+        per-sample randomness as one that was never interrupted, even when each rank seeded
+        torch differently."""
+        loaders = [o for o in self._objects.values() if isinstance(o, ResumableLoader)]
+        if not loaders:
+            return
+        seeds = group.broadcast_ints([loader.seed for loader in loaders])
+        for loader, seed in zip(loaders, seeds, strict=True):
+            loader.seed = seed
 
     def _any_committed(self) -> bool:
         """Whether a checkpoint folder has a manifest. A folder without one never committed (an
@@ -353,6 +427,8 @@ class Checkpointer:
     def _load_object(name: str, obj: Any, tree: Any) -> None:
         try:
             obj.load_state_dict(tree)
+        except NbresumeError:
+            raise  # it names what is wrong and the fix already
         except Exception as exc:
             raise CheckpointError(
                 f"restoring {name!r} failed: {exc}",
@@ -387,6 +463,9 @@ class Checkpointer:
         step = current_step if step is None else step
         metrics = self._metrics(metric)
         background = self.async_save and not block
+        group = distributed.current()
+        if group is not None:
+            return self._save_distributed(group, step, epoch, metrics, background=background)
         self._background.wait()  # one save in flight at most; the buffers are reused
         if background:
             self._raise_background_error()
@@ -405,6 +484,58 @@ class Checkpointer:
             self._background.start(write)
             return None
         return self._write(snapshot)
+
+    def _save_distributed(
+        self,
+        group: distributed.Group,
+        step: int,
+        epoch: int,
+        metrics: dict[str, float],
+        *,
+        background: bool,
+    ) -> CheckpointInfo | None:
+        """Every rank sends its RNG states to rank 0, which writes the one checkpoint. A
+        blocking save ends with rank 0 telling every rank the outcome; a background one is
+        reported at a later step boundary or by :meth:`wait`."""
+        earlier: BaseException | None = None
+        if group.rank == 0:
+            self._background.wait()
+            earlier = self._background.take_error()
+        if background:
+            # As in one process: an async save raises the last background failure, now on
+            # every rank (this is also the point every rank reaches before the write).
+            problem = group.broadcast_error(_background_failure(earlier))
+            if problem is not None:
+                raise problem from earlier
+        elif earlier is not None:
+            log.warning("nbresume: a background save failed (%s); saving again now", earlier)
+        packed = group.all_gather_bytes(distributed.pack(capture_rng(), name=RNG_GROUP))
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        if group.rank != 0:
+            if not background:
+                problem = group.broadcast_error(None)
+                if problem is not None:
+                    raise problem
+            return None
+        where = self.store.location
+        ranks = [distributed.unpack(data, where=f"{where} (rank {r})") for r, data in
+                 enumerate(packed)]  # fmt: skip
+        snapshot = self._capture(step, epoch, metrics, copy=background, ranks=ranks)
+        if background:
+
+            def write() -> None:
+                self._write(snapshot)
+
+            self._background.start(write)
+            return None
+        try:
+            info = self._write(snapshot)
+        except BaseException as exc:
+            group.broadcast_error(exc)
+            raise
+        group.broadcast_error(None)
+        return info
 
     def _metrics(self, metric: float | Mapping[str, float] | None) -> dict[str, float]:
         if metric is None:
@@ -435,7 +566,13 @@ class Checkpointer:
         return step, epoch
 
     def _capture(
-        self, step: int, epoch: int, metrics: dict[str, float], *, copy: bool
+        self,
+        step: int,
+        epoch: int,
+        metrics: dict[str, float],
+        *,
+        copy: bool,
+        ranks: list[Any] | None = None,
     ) -> _Snapshot:
         tensors: dict[str, dict[str, Any]] = {}
         documents: dict[str, Any] = {}
@@ -449,7 +586,13 @@ class Checkpointer:
             if group:
                 tensors[name] = group
         values, value_tensors = flatten(self._values, name=VALUES_GROUP)
-        rng, rng_tensors = flatten(capture_rng(), name=RNG_GROUP)
+        rng, rng_tensors = flatten(capture_rng() if ranks is None else ranks[0], name=RNG_GROUP)
+        rank_rng = []
+        for rank, tree in enumerate(ranks or []):
+            if rank:  # the other ranks' tensors go under "rank<N>/" in the same file
+                document, extra = flatten({f"rank{rank}": tree}, name=RNG_GROUP)
+                rank_rng.append(document[f"rank{rank}"])
+                rng_tensors.update(extra)
         for group_name, group in ((VALUES_GROUP, value_tensors), (RNG_GROUP, rng_tensors)):
             if group:
                 tensors[group_name] = group
@@ -465,6 +608,9 @@ class Checkpointer:
             "values": values,
             "rng": rng,
         }
+        if ranks is not None:
+            state["world_size"] = len(ranks)
+            state["rank_rng"] = rank_rng
         return _Snapshot(step, tensors, state, metrics)
 
     def _write(self, snapshot: _Snapshot) -> CheckpointInfo:
@@ -493,23 +639,29 @@ class Checkpointer:
         return info
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed and verified; raise its error."""
+        """Block until the save in flight (if any) is committed and verified; raise its error.
+
+        Under ``torch.distributed`` every rank calls it, and every rank raises rank 0's error.
+        """
         self._background.wait()
-        self._raise_background_error()
+        group = distributed.current()
+        if group is None:
+            self._raise_background_error()
+        else:
+            self._share_background_error(group)
 
     def _raise_background_error(self) -> None:
         error = self._background.take_error()
-        if error is not None:
-            # Keep the cause's own place and fix, rendered once (not "... Fix: ... Fix: ...").
-            if isinstance(error, NbresumeError):
-                reason, where, fix = error.message, error.where, error.fix
-            else:
-                reason, where, fix = str(error), "", ""
-            raise CheckpointError(
-                f"a background save failed: {reason}",
-                where=where,
-                fix=f"the previous checkpoint is intact; {fix or 'fix the cause and save again'}",
-            ) from error
+        failure = _background_failure(error)
+        if failure is not None:
+            raise failure from error
+
+    def _share_background_error(self, group: distributed.Group) -> None:
+        """Raise rank 0's background failure (if any) on every rank."""
+        error = self._background.take_error()
+        problem = group.broadcast_error(_background_failure(error))
+        if problem is not None:
+            raise problem from error
 
     # -- the loops -------------------------------------------------------------------------
 
@@ -599,6 +751,9 @@ class Checkpointer:
         self.events.emit(ev.STEP, self.step, total=self.total, epoch=self.epoch)
         if final:
             return False  # the final save is blocking: it retries an earlier failure itself
+        group = distributed.current()
+        if group is not None:
+            return self._boundary_distributed(group)
         # A background save failed: say so now, not after `every` more steps of training that
         # could not be saved. A stop request goes first: its blocking save() tries again.
         if self._background.failed and not self._stop_requested():
@@ -624,6 +779,46 @@ class Checkpointer:
             return False
         steps_since = self.step - (self._last_saved_step or 0)
         if self.cadence.due(steps_since, time.monotonic() - self._last_save_time):
+            self.save()
+        return False
+
+    def _boundary_distributed(self, group: distributed.Group) -> bool:
+        """:meth:`_boundary` for a job of several processes: a signal, a deadline, a request
+        or a failed background save seen by any rank counts for all of them, at this same
+        step, through one small all_reduce. The time-based cadence is rank 0's, whose clock
+        measures the saves."""
+        reason = self._stop_requested()
+        cadence = group.rank == 0 and self.cadence.due(
+            self.step - (self._last_saved_step or 0), time.monotonic() - self._last_save_time
+        )
+        stop, signum, save, due, failed = group.agree(
+            [bool(reason), self._stop_signal or 0, self._save_requested, cadence,
+             self._background.failed]
+        )  # fmt: skip
+        if failed and not stop:
+            self._share_background_error(group)  # raises on every rank
+        if stop:
+            if signum and self._stop_signal is None:
+                self._stop_signal = signum  # every rank ends the way the signalled one does
+            self.stop_reason = reason or (
+                f"another process of the job received {signal.Signals(signum).name}"
+                if signum
+                else "another process of the job is stopping"
+            )
+            self.save(block=True)
+            self.events.emit(ev.STOPPING, self.step, reason=self.stop_reason)
+            log.warning("nbresume: %s; saved step %d and stopped", self.stop_reason, self.step)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            if signum:
+                if group.rank == 0:
+                    from nbresume.slurm import after_stop_save
+
+                    after_stop_save(signum, self.step)  # one requeue for the whole job
+                raise SystemExit(128 + signum)
+            return True
+        if save or due:
+            self._save_requested = False
             self.save()
         return False
 
@@ -751,9 +946,67 @@ class Checkpointer:
         return f"Checkpointer({self.store.location!r}, step={self.step}, done={self.done})"
 
 
+def _background_failure(error: BaseException | None) -> CheckpointError | None:
+    """The error a failed background save is reported as, keeping the cause's own place and
+    fix, rendered once (not "... Fix: ... Fix: ...")."""
+    if error is None:
+        return None
+    if isinstance(error, NbresumeError):
+        reason, where, fix = error.message, error.where, error.fix
+    else:
+        reason, where, fix = str(error), "", ""
+    return CheckpointError(
+        f"a background save failed: {reason}",
+        where=where,
+        fix=f"the previous checkpoint is intact; {fix or 'fix the cause and save again'}",
+    )
+
+
+def _rank_rng(state: Mapping[str, Any], *, rank: int, world_size: int, where: str) -> Any:
+    """This rank's RNG document of ``state.json``.
+
+    A checkpoint of a job of N processes resumes only in a job of N processes: the data
+    each rank sees (DistributedSampler) and its random stream depend on N. One process with
+    no process group (a notebook loading weights to evaluate them) may load it: it gets rank
+    0's RNG states, with a warning.
+    """
+    saved = state.get("world_size", 1)
+    if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
+        raise CorruptCheckpointError(f"state.json has an invalid world_size {saved!r}", where=where)
+    if saved != world_size and world_size > 1:
+        raise CheckpointError(
+            f"this checkpoint was saved by a job of {saved} process(es), and this job has "
+            f"{world_size}",
+            where=where,
+            fix=f"resume with {saved} processes (torchrun --nproc_per_node {saved} ...); to go "
+            f"on with {world_size} anyway, start a new run folder from these weights (the "
+            "data split and the random streams depend on the number of processes, so the "
+            "run would not continue exactly)",
+        )
+    if saved != world_size:
+        warnings.warn(
+            f"nbresume: the checkpoint at {where} was saved by {saved} processes and is loaded "
+            "by one; it gets rank 0's random state, so training from here is not an exact "
+            "continuation",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    if rank == 0:
+        return state["rng"]
+    others = state.get("rank_rng")
+    if not isinstance(others, list) or len(others) != saved - 1:
+        raise CorruptCheckpointError("state.json lacks the RNG states of every rank", where=where)
+    return others[rank - 1]
+
+
 _STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
     [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []
 )
+
+
+def _is_module(value: Any) -> bool:
+    torch_nn = sys.modules.get("torch.nn")
+    return torch_nn is not None and isinstance(value, torch_nn.Module)
 
 
 def _is_dataloader(value: Any) -> bool:
