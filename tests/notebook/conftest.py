@@ -18,20 +18,10 @@ from typing import Any
 
 import pytest
 
-#: Environment variables that make a platform recognise itself.
-PLATFORM_VARIABLES = (
-    "COLAB_RELEASE_TAG",
-    "COLAB_TPU_ADDR",
-    "KAGGLE_KERNEL_RUN_TYPE",
-    "KAGGLE_URL_BASE",
-    "SLURM_JOB_ID",
-    "SLURM_JOB_END_TIME",
-    "KUBERNETES_SERVICE_HOST",
-    "SSH_CONNECTION",
-    "SSH_CLIENT",
-    "SSH_TTY",
-    "TPU_NAME",
-)
+from nbresume.platforms.base import DETECTION_VARIABLES
+
+#: What makes a platform recognise itself (the one list the detectors are checked against).
+PLATFORM_VARIABLES = DETECTION_VARIABLES
 
 #: The kernelspec the tests create: this interpreter, whatever `python3` means elsewhere.
 KERNEL_NAME = "nbresume-test-venv"

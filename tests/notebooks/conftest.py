@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from nbresume.platforms.base import DETECTION_VARIABLES
+
 pytest.importorskip("papermill", reason="needs papermill and ipykernel (the test extra)")
 pytest.importorskip("ipykernel", reason="needs papermill and ipykernel (the test extra)")
 
@@ -40,21 +42,9 @@ NOTEBOOKS = ROOT / "notebooks"
 STEPS = 160
 EVERY = 20
 
-#: Environment variables that make a platform recognise itself, removed from every kernel.
-PLATFORM_VARIABLES = (
-    "COLAB_RELEASE_TAG",
-    "COLAB_TPU_ADDR",
-    "KAGGLE_KERNEL_RUN_TYPE",
-    "KAGGLE_URL_BASE",
-    "SLURM_JOB_ID",
-    "SLURM_JOB_END_TIME",
-    "KUBERNETES_SERVICE_HOST",
-    "SSH_CONNECTION",
-    "SSH_CLIENT",
-    "SSH_TTY",
-    "TPU_NAME",
-    "JPY_PARENT_PID",
-)
+#: What makes a platform recognise itself (the one list the detectors are checked
+#: against), plus the marker of a parent Jupyter.
+PLATFORM_VARIABLES = (*DETECTION_VARIABLES, *("JPY_PARENT_PID",))
 
 _SHA = re.compile(r"^weights sha256: ([0-9a-f]{64})$", re.M)
 _START = re.compile(r"^training from step (\d+) of (\d+)$", re.M)

@@ -19,27 +19,11 @@ from pathlib import Path
 
 import pytest
 
-#: Environment variables that make a platform recognise itself, or change what it reports.
-PLATFORM_VARIABLES = (
-    "COLAB_RELEASE_TAG",
-    "COLAB_TPU_ADDR",
-    "KAGGLE_KERNEL_RUN_TYPE",
-    "KAGGLE_URL_BASE",
-    "ISTPUVM",
-    "SLURM_JOB_ID",
-    "SLURM_JOB_END_TIME",
-    "KUBERNETES_SERVICE_HOST",
-    "SSH_CONNECTION",
-    "SSH_CLIENT",
-    "SSH_TTY",
-    "TPU_ACCELERATOR_TYPE",
-    "TPU_NAME",
-    "XRT_TPU_CONFIG",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "NO_COLOR",
-)
+from nbresume.platforms.base import DETECTION_VARIABLES
+
+#: What makes a platform recognise itself (the one list the detectors are checked
+#: against), plus the terminal's colour switch.
+PLATFORM_VARIABLES = (*DETECTION_VARIABLES, *("NO_COLOR",))
 
 
 def free_port() -> int:

@@ -23,6 +23,33 @@ if TYPE_CHECKING:
 
 HOUR = 3600.0
 
+#: Every environment variable that changes what nbresume detects about the machine: which
+#: platform it is on (Colab, Kaggle, Slurm, Kubernetes, SSH), which accelerator it has, and how
+#: many threads it may use. A harness that wants a neutral machine (a test, a smoke run) clears
+#: exactly these; a new detection variable belongs here.
+DETECTION_VARIABLES: tuple[str, ...] = (
+    "COLAB_RELEASE_TAG",
+    "COLAB_TPU_ADDR",
+    "KAGGLE_KERNEL_RUN_TYPE",
+    "KAGGLE_URL_BASE",
+    "ISTPUVM",
+    "TPU_ACCELERATOR_TYPE",
+    "TPU_NAME",
+    "XRT_TPU_CONFIG",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_END_TIME",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_PROCID",
+    "KUBERNETES_SERVICE_HOST",
+    "SSH_CONNECTION",
+    "SSH_CLIENT",
+    "SSH_TTY",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+)
+
 #: Text shared by every platform's "no GPU" fix.
 GPU_VISIBLE_FIX = (
     "check that `nvidia-smi` lists the GPU and that CUDA_VISIBLE_DEVICES does not hide it"
