@@ -20,6 +20,7 @@ from nbresume.checkpoint.store import (
     VerifyResult,
     verify,
 )
+from nbresume.checkpoint.trainable import BaseMismatchError, TrainableOnly, trainable_only
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -52,6 +53,7 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 
 __all__ = [
+    "BaseMismatchError",
     "Check",
     "CheckpointError",
     "CheckpointInfo",
@@ -68,6 +70,7 @@ __all__ = [
     "Run",
     "StorageError",
     "StorageFullError",
+    "TrainableOnly",
     "VerifyReport",
     "VerifyResult",
     "__version__",
@@ -77,5 +80,6 @@ __all__ = [
     "preflight",
     "sample_generator",
     "sample_seed",
+    "trainable_only",
     "verify",
 ]
