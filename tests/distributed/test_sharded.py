@@ -1,0 +1,273 @@
+"""Sharded checkpoints: FSDP2 shards through torch.distributed.checkpoint, inside the commit
+protocol. Two real ranks (forked processes, gloo on loopback) save and restore; this process
+only starts them, damages files between runs, and reads the checkpoint folder as a stranger.
+
+The single-process tests at the end run the same code without a process group (one rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX
+from nbresume.checkpoint.sharded import load_sharded, save_sharded
+from nbresume.checkpoint.store import CheckpointStore
+from nbresume.errors import NoCheckpointError
+
+WORKER = Path(__file__).parent / "sharded_worker.py"
+RUN_TIMEOUT_S = 180
+
+
+class Cluster:
+    """The worker server: each :meth:`run` forks two fresh ranks and returns their lines."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put("<eof>")
+
+    def run(self, *args: object) -> list[str]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(str(a) for a in args) + "\n")
+        self.proc.stdin.flush()
+        out: list[str] = []
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            if line in ("done", "<eof>"):
+                return out
+            out.append(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def said(lines: list[str], rank: int, word: str) -> list[str]:
+    """What ``rank`` printed after ``word`` (one entry per such line)."""
+    prefix = f"rank{rank} {word} "
+    return [line[len(prefix) :] for line in lines if line.startswith(prefix)]
+
+
+def exits(lines: list[str]) -> dict[int, int]:
+    return {
+        int(rank): int(code)
+        for _, rank, code in (line.split() for line in lines if line.startswith("exit "))
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    started = Cluster()
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def saved(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Steps 1, 2 and 3 of a two-rank FSDP2 run, and the full state of each step."""
+    base = tmp_path_factory.mktemp("sharded")
+    root, expected = base / "root", base / "expected"
+    expected.mkdir()
+    lines = cluster.run("save", root, expected)
+    assert exits(lines) == {0: 0, 1: 0}, lines
+    assert said(lines, 0, "saved") == said(lines, 1, "saved") == ["1", "2", "3"], lines
+    return root, expected
+
+
+def copy_of(saved: tuple[Path, Path], tmp_path: Path) -> Path:
+    return Path(shutil.copytree(saved[0], tmp_path / "root"))
+
+
+def test_every_rank_restores_the_sharded_state_exactly(
+    cluster: Cluster, saved: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root = copy_of(saved, tmp_path)
+    newest = root / "000000000003"
+    manifest = json.loads((newest / MANIFEST_NAME).read_text())
+    # The manifest describes exactly what is on disk: each rank's shards, the metadata, the
+    # rest of the state, and nothing else.
+    on_disk = {p.name for p in newest.iterdir()} - {MANIFEST_NAME}
+    assert set(manifest["files"]) == on_disk
+    assert {
+        "sharded.metadata.json",
+        "sharded.rank00000.safetensors",
+        "sharded.rank00001.safetensors",
+        "progress.json",
+    } <= on_disk
+    assert CheckpointStore(root).verify().summary == "OK 3/3, errors 0"
+
+    lines = cluster.run("restore", root, saved[1])
+
+    assert exits(lines) == {0: 0, 1: 0}, lines
+    assert said(lines, 0, "restored") == said(lines, 1, "restored") == ["3 same"], lines
+    assert not said(lines, 0, "warning"), lines
+
+
+def test_a_flipped_byte_or_a_planted_pickle_is_refused_before_anything_loads(
+    cluster: Cluster, saved: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root = copy_of(saved, tmp_path)
+    shard = root / "000000000003" / "sharded.rank00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    # A metadata file that runs code when unpickled: it would create `marker`.
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_CreatesFile(str(marker)))
+    (root / "000000000002" / "sharded.metadata.json").write_bytes(payload)
+
+    lines = cluster.run("restore", root, saved[1])
+
+    assert exits(lines) == {0: 0, 1: 0}, lines
+    # Both ranks pass over steps 3 and 2 with the store's warning, and load step 1 exactly.
+    assert said(lines, 0, "restored") == said(lines, 1, "restored") == ["1 same"], lines
+    for rank in (0, 1):
+        [warning] = said(lines, rank, "warning")
+        assert warning.startswith("nbresume: skipped 2 newer checkpoint(s)"), warning
+        assert "000000000003/sharded.rank00001.safetensors" in warning
+        assert "000000000002/sharded.metadata.json" in warning
+        assert "sha256 mismatch" in warning
+        assert warning.endswith("using step 1")
+    assert not marker.exists()
+
+
+def test_a_kill_during_a_sharded_save_leaves_nothing_restore_would_take(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    root, expected = tmp_path / "root", tmp_path / "expected"
+    expected.mkdir()
+    # Rank 1 dies as it begins to write its shard of step 4; rank 0 loses its peer and fails.
+    lines = cluster.run(
+        "save", root, expected, "--kill-at-step", 4, "--kill-file", "sharded.rank00001.safetensors"
+    )
+    assert exits(lines)[1] == -9, lines
+    assert exits(lines)[0] != 0, lines
+    assert said(lines, 0, "saved") == ["1", "2", "3"], lines
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(TEMP_PREFIX)) == [
+        "000000000001",
+        "000000000002",
+        "000000000003",
+    ]
+    # Rank 0 dies just before it renames the complete folder of step 4, manifest included,
+    # into place: a whole checkpoint sits in the hidden folder, and still is not one.
+    lines = cluster.run(
+        "save", root, expected, "--kill-at-step", 4, "--kill-rank", 0, "--kill-file", "commit"
+    )
+    assert exits(lines)[0] == -9, lines
+    assert exits(lines)[1] != 0, lines
+    [leftover] = [p for p in root.iterdir() if p.name.startswith(TEMP_PREFIX)]
+    assert "000000000004" in leftover.name
+    assert (leftover / MANIFEST_NAME).exists()
+    assert [info.step for info in CheckpointStore(root).list()] == [1, 2, 3]
+
+    lines = cluster.run("restore", root, expected)
+
+    assert said(lines, 0, "restored") == said(lines, 1, "restored") == ["3 same"], lines
+    assert not said(lines, 0, "warning"), lines
+
+
+class _CreatesFile:
+    """Unpickling this creates a file: what a malicious checkpoint would do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+# -- one rank, no process group ------------------------------------------------------------
+
+
+def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer, {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+
+def test_one_rank_saves_and_loads_in_place_without_pickle(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "run")
+    _, _, state = _state(seed=0)
+    info = save_sharded(store, 7, state, data={"progress": {"epoch": 2}})
+    assert sorted(info.manifest.files) == [
+        "progress.json",
+        "sharded.metadata.json",
+        "sharded.rank00000.json",
+        "sharded.rank00000.safetensors",
+    ]
+    _, _, target = _state(seed=1)
+
+    loaded = load_sharded(store, target)
+
+    assert loaded.step == 7
+    assert loaded.data == {"progress": {"epoch": 2}}
+    assert torch.equal(target["model"]["weight"], state["model"]["weight"])
+    assert torch.equal(
+        target["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"]
+    )
+    # Non-tensor leaves come back with their types: the betas are a tuple again.
+    assert target["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert target["optim"]["param_groups"][0]["betas"] == (0.8, 0.9)
+
+
+def test_a_pickle_is_never_loaded_even_under_a_matching_manifest(tmp_path: Path) -> None:
+    """Whoever rewrites the manifest too gets past the hash check, and still runs no code:
+    the metadata is parsed as JSON, never unpickled."""
+    store = CheckpointStore(tmp_path / "run")
+    _, _, state = _state(seed=0)
+    save_sharded(store, 1, state)
+    folder = tmp_path / "run" / "000000000001"
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_CreatesFile(str(marker)))
+    (folder / "sharded.metadata.json").write_bytes(payload)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest["files"]["sharded.metadata.json"] = {
+        "size": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    _, _, target = _state(seed=1)
+    before = target["model"]["weight"].clone()
+
+    with pytest.raises(NoCheckpointError, match="not valid UTF-8 JSON"):
+        load_sharded(store, target)
+
+    assert not marker.exists()
+    assert torch.equal(target["model"]["weight"], before)
