@@ -50,9 +50,9 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
-from nbresume.checkpoint import tensorfile
+from nbresume.checkpoint import distributed, tensorfile
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -78,7 +78,6 @@ from nbresume.errors import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
     from torch.distributed.checkpoint.metadata import Metadata
 
 #: The stem of the sharded files when none is given.
@@ -134,76 +133,40 @@ def has_sharded_tensors(tree: Any) -> bool:
     return isinstance(tree, ShardedTensor)
 
 
-# -- collectives without pickle ------------------------------------------------------------
+# -- the ranks -----------------------------------------------------------------------------
 
 
-class _Group:
-    """The ranks taking part: a process group, or this process alone when torch.distributed
-    is not initialized. Bytes travel as uint8 tensors, never as pickled objects."""
+class _Solo:
+    """This process alone (no process group, or a group of one): every collective is a no-op."""
 
-    def __init__(self, group: ProcessGroup | None) -> None:
-        import torch.distributed as dist
+    rank = 0
+    world_size = 1
 
-        self.group = group
-        self.active = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if self.active else 0
-        self.size = dist.get_world_size(group) if self.active else 1
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        return data
 
-    def _device(self) -> Any:
-        import torch
-        import torch.distributed as dist
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return [data]
 
-        backend = str(dist.get_backend(self.group))
-        if "gloo" not in backend and "nccl" in backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
-    def broadcast(self, data: bytes) -> bytes:
-        """Rank 0's ``data`` on every rank (what other ranks pass is ignored)."""
-        if not self.active or self.size == 1:
-            return data
-        import torch
-        import torch.distributed as dist
+_Ranks = Union["distributed.Group", _Solo]
 
-        device = self._device()
-        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        dist.broadcast(length, group=self.group, group_src=0)
-        size = int(length.item())
-        if self.rank == 0:
-            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-            buffer = (payload if payload is not None else torch.empty(0, dtype=torch.uint8)).to(
-                device
-            )
-        else:
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        if size:
-            dist.broadcast(buffer, group=self.group, group_src=0)
-        return bytes(buffer.cpu().numpy().tobytes())
 
-    def all_gather(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data``, in rank order, on every rank."""
-        if not self.active or self.size == 1:
-            return [data]
-        import torch
-        import torch.distributed as dist
+def _ranks() -> _Ranks:
+    """The job's ranks; bytes travel between them in tensor collectives, never pickled."""
+    return distributed.current() or _Solo()
 
-        device = self._device()
-        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        lengths = [torch.empty_like(length) for _ in range(self.size)]
-        dist.all_gather(lengths, length, group=self.group)
-        sizes = [int(t.item()) for t in lengths]
-        longest = max(sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        if data:
-            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        padded = padded.to(device)
-        gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-        dist.all_gather(gathered, padded, group=self.group)
-        return [bytes(t.cpu().numpy().tobytes()[:n]) for t, n in zip(gathered, sizes, strict=True)]
 
-    def agree(self, problem: str) -> list[str]:
-        """Every rank's problem (``""``: none), so that all ranks take the same branch."""
-        return [p.decode() for p in self.all_gather(problem.encode())]
+def _dcp_without_group() -> bool:
+    """Whether DCP must run in this process alone (torch.distributed is not initialized)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _problems(ranks: _Ranks, problem: str) -> list[str]:
+    """Every rank's problem (``""``: none), so that all ranks take the same branch."""
+    return [p.decode() for p in ranks.all_gather_bytes(problem.encode()) if p]
 
 
 # -- DCP storage writer and reader --------------------------------------------------------
@@ -347,7 +310,7 @@ def _make_reader(
     manifest: Manifest,
     metadata: Metadata,
     stem: str,
-    group: _Group,
+    group: _Ranks,
 ) -> Any:
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
     from torch.distributed.checkpoint.storage import StorageReader
@@ -387,7 +350,7 @@ def _make_reader(
             try:
                 for file_name in needed:
                     self.files[file_name] = self._parse(file_name, self._read(file_name))
-                for file_name in shards[group.rank :: group.size]:
+                for file_name in shards[group.rank :: group.world_size]:
                     if file_name not in self.files:
                         self._read(file_name)
             except CorruptCheckpointError as exc:
@@ -620,11 +583,10 @@ def save_sharded(
     tensors: Mapping[str, Mapping[str, Any]] | None = None,
     metrics: Mapping[str, float] | None = None,
     stem: str = DEFAULT_STEM,
-    process_group: ProcessGroup | None = None,
 ) -> CheckpointInfo:
     """Write, commit and verify the checkpoint of ``step`` from every rank's shards.
 
-    Every rank of ``process_group`` (default: the whole world) calls it with its own
+    Every rank of the job (torch.distributed's default group) calls it with its own
     ``state_dict`` (DTensors, ShardedTensors, plain tensors and JSON-able values, nested in
     dicts and lists, as ``torch.distributed.checkpoint.save`` takes it). ``data`` and
     ``tensors`` are what rank 0 saves besides, as :meth:`CheckpointStore.save` takes them
@@ -633,7 +595,7 @@ def save_sharded(
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    group = _Group(process_group)
+    group = _ranks()
     final = step_dirname(step)
     extra: list[tuple[str, int, Any]] = []
     folder, problem = "", ""
@@ -654,7 +616,7 @@ def save_sharded(
             problem = str(store._translate(exc, 0, 0))
         except CheckpointError as exc:
             problem = str(exc)
-    folder_or_problem = group.broadcast((folder or "\0" + problem).encode()).decode()
+    folder_or_problem = group.broadcast_bytes((folder or "\0" + problem).encode()).decode()
     if folder_or_problem.startswith("\0"):
         raise CheckpointError(
             f"the sharded checkpoint of step {step} could not be started: {folder_or_problem[1:]}",
@@ -665,13 +627,12 @@ def save_sharded(
     writer = _make_writer(store, folder, stem)
     local_error: BaseException | None = None
     try:
-        with _quiet_single_process(group):
+        with _quiet_single_process():
             save(
                 state_dict,
                 storage_writer=writer,
                 planner=_make_save_planner(),
-                process_group=process_group,
-                no_dist=not group.active,
+                no_dist=_dcp_without_group(),
             )
         if group.rank == 0:
             for file_name, _, chunks in extra:
@@ -683,7 +644,7 @@ def save_sharded(
         "files": {n: e.to_json() for n, e in writer.entries.items()},
     }
     try:
-        reports = [json.loads(r) for r in group.all_gather(json.dumps(report).encode())]
+        reports = [json.loads(r) for r in group.all_gather_bytes(json.dumps(report).encode())]
     except BaseException:
         # A rank is gone (killed, its host lost): nothing can be committed.
         if group.rank == 0:
@@ -711,7 +672,9 @@ def save_sharded(
             fix="the partial checkpoint was removed and earlier ones are intact; "
             "see the first rank's error",
         ) from local_error
-    shared = group.broadcast(("\0" + outcome if outcome else manifest_bytes.decode()).encode())
+    shared = group.broadcast_bytes(
+        ("\0" + outcome if outcome else manifest_bytes.decode()).encode()
+    )
     if shared.startswith(b"\0"):
         raise CheckpointError(
             f"the sharded checkpoint of step {step} was not saved: {shared[1:].decode()}",
@@ -722,10 +685,10 @@ def save_sharded(
 
 
 @contextlib.contextmanager
-def _quiet_single_process(group: _Group) -> Iterator[None]:
+def _quiet_single_process() -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process: that is intended."""
     with warnings.catch_warnings():
-        if not group.active:
+        if _dcp_without_group():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
 
@@ -798,7 +761,6 @@ def load_sharded(
     *,
     step: int | None = None,
     stem: str = DEFAULT_STEM,
-    process_group: ProcessGroup | None = None,
 ) -> LoadedCheckpoint:
     """Load the newest sharded checkpoint that verifies (or exactly the one of ``step``) into
     ``state_dict``, in place, as ``torch.distributed.checkpoint.load`` does.
@@ -808,14 +770,14 @@ def load_sharded(
     fails verification is passed over on every rank with a warning; raises
     :class:`NoCheckpointError` when none verifies.
     """
-    group = _Group(process_group)
+    group = _ranks()
     candidates: list[str] = []
     if group.rank == 0:
         candidates = [name for s, name in store._checkpoint_folders() if step is None or s == step]
     skipped: list[str] = []
     index = 0
     while True:
-        name = group.broadcast(candidates[index].encode() if index < len(candidates) else b"")
+        name = group.broadcast_bytes(candidates[index].encode() if index < len(candidates) else b"")
         index += 1
         if not name:
             break
@@ -829,7 +791,7 @@ def load_sharded(
             except OSError as exc:
                 where = store.store.child(folder, MANIFEST_NAME)
                 problem = f"{where}: cannot read the manifest: {exc}"
-        shared = group.broadcast(b"\0" + problem.encode() if problem else raw)
+        shared = group.broadcast_bytes(b"\0" + problem.encode() if problem else raw)
         if shared.startswith(b"\0"):
             if shared[1:]:
                 skipped.append(shared[1:].decode())
@@ -842,7 +804,6 @@ def load_sharded(
                 state_dict=state_dict,
                 stem=stem,
                 group=group,
-                process_group=process_group,
             )
         except CorruptCheckpointError as exc:
             skipped.append(str(exc))
@@ -873,8 +834,7 @@ def _load_folder(
     *,
     state_dict: dict[str, Any],
     stem: str,
-    group: _Group,
-    process_group: ProcessGroup | None,
+    group: _Ranks,
 ) -> LoadedCheckpoint:
     """Every rank: verify and load one checkpoint, or raise the same error on every rank."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -902,7 +862,7 @@ def _load_folder(
             raw = bytes(_read_verified(store, folder, meta_name, manifest.files[meta_name]))
         except CorruptCheckpointError as exc:
             problem = str(exc)
-    shared = group.broadcast(b"\0" + problem.encode() if problem else raw)
+    shared = group.broadcast_bytes(b"\0" + problem.encode() if problem else raw)
     if shared.startswith(b"\0"):
         raise CorruptCheckpointError(shared[1:].decode())
     loaded = LoadedCheckpoint(step, store.store.child(folder), manifest)
@@ -935,7 +895,7 @@ def _load_folder(
                     raise CorruptCheckpointError("not valid JSON", where=file_where) from None
     except CorruptCheckpointError as exc:
         problem = str(exc)
-    problems = [p for p in group.agree(problem) if p]
+    problems = _problems(group, problem)
     if problems:
         raise CorruptCheckpointError("; ".join(dict.fromkeys(problems)))
 
@@ -944,17 +904,16 @@ def _load_folder(
     )
     other = ""
     try:
-        with _quiet_single_process(group):
+        with _quiet_single_process():
             load(
                 state_dict,
                 storage_reader=reader,
                 planner=_make_load_planner(),
-                process_group=process_group,
-                no_dist=not group.active,
+                no_dist=_dcp_without_group(),
             )
     except (CheckpointException, CheckpointError, RuntimeError, ValueError, KeyError) as exc:
         other = "" if reader.problem else _problem_text(exc)
-    verdicts = group.all_gather(json.dumps([reader.problem, other]).encode())
+    verdicts = group.all_gather_bytes(json.dumps([reader.problem, other]).encode())
     corrupt = [json.loads(v)[0] for v in verdicts if json.loads(v)[0]]
     failed = [json.loads(v)[1] for v in verdicts if json.loads(v)[1]]
     if corrupt:
