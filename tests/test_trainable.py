@@ -180,6 +180,24 @@ def test_changed_buffers_are_saved_and_a_large_frozen_buffer_is_not(tmp_path: Pa
     assert folder_bytes(tmp_path / "run" / "000000000001") < 100_000
 
 
+def test_a_layer_frozen_again_after_training_stays_saved_in_full(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = lora_model()
+    wrapped = trainable_only(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model[0].base.requires_grad_(True)  # type: ignore[index]
+    train_step(model, optimizer, 0)
+    ckpt = Checkpointer(tmp_path / "run", model=wrapped, **QUIET)
+    ckpt.save(step=1)
+    model[0].base.requires_grad_(False)  # type: ignore[index]
+    ckpt.save(step=2)
+    assert "0.base.weight" in wrapped.state_dict()["tensors"]
+
+    fresh = lora_model()
+    Checkpointer(tmp_path / "run", model=fresh, trainable_only=True, **QUIET).restore()
+    assert torch.equal(fresh[0].base.weight, model[0].base.weight)  # type: ignore[index]
+
+
 # -- resume ------------------------------------------------------------------------------------
 
 

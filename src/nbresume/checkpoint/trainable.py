@@ -4,7 +4,7 @@ When most of a model is frozen (LoRA and other adapters, a frozen backbone under
 a full ``state_dict`` is mostly the base weights, which every run loads from the same place
 anyway. :class:`TrainableOnly` wraps the module and gives the Checkpointer a state that holds:
 
-- every parameter with ``requires_grad=True``, in full;
+- every parameter with ``requires_grad=True`` (or that had it at an earlier save), in full;
 - every persistent buffer whose contents differ from what they were when the wrapper was
   created (BatchNorm running statistics of layers in train mode, counters), in full;
 - for everything else (frozen parameters, buffers that never changed), only a fingerprint:
@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nbresume.errors import CheckpointError, CorruptCheckpointError
+from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -115,11 +115,17 @@ class TrainableOnly:
         import torch
 
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"trainable_only() takes a torch.nn.Module, not {type(module)!r}")
+            raise UsageError(
+                f"trainable_only() takes a torch.nn.Module, not a {type(module).__name__}",
+                fix="pass the model itself: trainable_only(model)",
+            )
         self.module: torch.nn.Module = module
         self.frozen_hashes = 0
         self.fingerprint_seconds = 0.0
         self._cache: dict[str, tuple[tuple[Any, ...], str]] = {}
+        #: Parameters that trained at some save (or were restored in full): frozen later, they
+        #: no longer hold the base's values, so they stay saved in full.
+        self._trained: set[str] = set()
         _, buffers = self._split()
         #: The buffers' digests as the base had them: a buffer is saved once it differs.
         self._reference = {name: tensor_sha256(t) for name, t in buffers.items()}
@@ -156,7 +162,8 @@ class TrainableOnly:
         saved: dict[str, torch.Tensor] = {}
         records: list[list[Any]] = []
         for name, tensor in params.items():
-            if tensor.requires_grad:
+            if tensor.requires_grad or name in self._trained:
+                self._trained.add(name)
                 saved[name] = tensor.detach()
             else:
                 records.append(_record(name, tensor, self._frozen_sha256(name, tensor)))
@@ -238,6 +245,8 @@ class TrainableOnly:
             for name, tensor in saved.items():
                 live[name].copy_(tensor)
                 self._cache.pop(name, None)  # a frozen parameter given new contents
+                if name in params:
+                    self._trained.add(name)
 
     def __repr__(self) -> str:
         return f"TrainableOnly({type(self.module).__name__})"
