@@ -1,0 +1,111 @@
+"""Suite 4, resume: how fast, and is it exact.
+
+A model of linear layers with dropout (so that training draws from torch's global RNG, as
+real training does) is trained ``steps`` steps, saved, then trained ``more`` steps; the
+SHA-256 of its weights is recorded. A fresh process then builds the same model and optimizer,
+restores through the tool's resume path (timed: the ``restore()`` call only, after the
+checkpoint's pages were dropped from the page cache), trains the same ``more`` steps on the
+same batches and hashes its weights. **Bit-exact** means the two hashes are equal: the tool
+saved everything the continuation depends on (weights, optimizer, RNG), used as documented.
+The restore time is divided by the raw cold read of the same number of bytes.
+
+Tools whose restore is the same code as another's (the asynchronous variants, torch.save +
+fsync) are not run twice.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import (
+    build_state,
+    evict,
+    folder_bytes,
+    state_layout,
+    state_sha256,
+    train_step,
+)
+from benchmarks.calibrate import calibrate
+from benchmarks.tools import BY_NAME, SAME_RESTORE, Tool
+from benchmarks.zygote import Zygote
+
+DROPOUT = 0.1
+
+
+def save_child(args: dict[str, Any]) -> dict[str, Any]:
+    tool = BY_NAME[args["tool"]]
+    tool.import_library()
+    folder = Path(args["folder"])
+    shutil.rmtree(folder, ignore_errors=True)
+    model, optimizer, nbytes = build_state(args["mb"], dropout=DROPOUT)
+    for step in range(args["steps"]):
+        train_step(model, optimizer, step)
+    session = tool.open(folder, model, optimizer)
+    session.save(args["steps"])
+    session.wait()
+    session.close()
+    for step in range(args["steps"], args["steps"] + args["more"]):
+        train_step(model, optimizer, step)
+    return {
+        "sha": state_sha256(model),
+        "state_bytes": nbytes,
+        "written_bytes": folder_bytes(folder),
+    }
+
+
+def load_child(args: dict[str, Any]) -> dict[str, Any]:
+    tool = BY_NAME[args["tool"]]
+    tool.import_library()
+    model, optimizer, _ = build_state(args["mb"], seed=1, dropout=DROPOUT)
+    session = tool.open(Path(args["folder"]), model, optimizer)
+    start = time.perf_counter()
+    step = session.restore()
+    seconds = time.perf_counter() - start
+    if step != args["steps"]:
+        return {"error": f"restored step {step}, expected {args['steps']}"}
+    for index in range(step, step + args["more"]):
+        train_step(model, optimizer, index)
+    session.close()
+    return {"sha": state_sha256(model), "restore_s": seconds}
+
+
+def run(zygote: Zygote, tools: list[Tool], settings: dict[str, Any], scratch: Path,
+        log: Any) -> dict[str, Any]:  # fmt: skip
+    nbytes = state_layout(settings["mb"])[2]
+    log(f"resume: calibrating {nbytes / 1e6:.0f} MB")
+    cal = calibrate(scratch, nbytes)
+    results: dict[str, Any] = {}
+    for tool in tools:
+        if tool.name in SAME_RESTORE:
+            results[tool.name] = {"same_as": SAME_RESTORE[tool.name]}
+            continue
+        missing = tool.missing()
+        if missing:
+            results[tool.name] = {"error": missing}
+            continue
+        log(f"resume: {tool.name}")
+        folder = scratch / "resume"
+        args = {**settings, "tool": tool.name, "folder": str(folder)}
+        saved = zygote.call("resume-save", args)
+        if "error" in saved:
+            results[tool.name] = saved
+            continue
+        evict(folder)
+        loaded = zygote.call("resume-load", args)
+        shutil.rmtree(folder, ignore_errors=True)
+        if "error" in loaded:
+            results[tool.name] = loaded
+            continue
+        results[tool.name] = {
+            "restore_s": loaded["restore_s"],
+            "bit_exact": loaded["sha"] == saved["sha"],
+            "state_bytes": saved["state_bytes"],
+            "written_bytes": saved["written_bytes"],
+        }
+    for name, same in list(results.items()):
+        if "same_as" in same and same["same_as"] in results:
+            results[name] = {**results[same["same_as"]], "same_as": same["same_as"]}
+    return {"settings": settings, "calibration": cal.as_dict(), "tools": results}
