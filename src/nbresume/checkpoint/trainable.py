@@ -119,6 +119,13 @@ class TrainableOnly:
                 f"trainable_only() takes a torch.nn.Module, not a {type(module).__name__}",
                 fix="pass the model itself: trainable_only(model)",
             )
+        for name, param in module.named_parameters():
+            if any(cls.__name__ == "DTensor" for cls in type(param).__mro__):
+                raise UsageError(
+                    f"trainable_only() cannot fingerprint {name!r}: it is sharded across ranks "
+                    "(a DTensor)",
+                    fix="checkpoint a sharded model without trainable_only",
+                )
         self.module: torch.nn.Module = module
         self.frozen_hashes = 0
         self.fingerprint_seconds = 0.0
