@@ -1,0 +1,85 @@
+"""The side-by-side benchmark runner runs end to end (``python -m benchmarks --tiny``, a few
+MB, one kill per tool) and its results hold together. Nothing here is timed: speed lives in
+the results the runner writes, not in assertions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report, stall  # noqa: E402
+from benchmarks.tools import TOOLS, Tool  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench-out")
+    scratch = tmp_path_factory.mktemp("bench-scratch")
+    results_dir = ROOT / "benchmarks" / "results"
+    watched = [ROOT / "docs" / "benchmarks.md", *sorted(results_dir.glob("side-by-side.*"))]
+    before = {path: path.read_bytes() for path in watched}
+    images = {p: p.stat().st_mtime_ns for p in (ROOT / "docs" / "img").glob("bench-*.png")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--tiny", "--out", str(out), "--dir", str(scratch)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # --out leaves the committed results, the documentation and its plots alone
+    assert {path: path.read_bytes() for path in watched} == before
+    assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs" / "img").glob("bench-*.png")} == images
+    assert list(scratch.iterdir()) == []  # the scratch folder is cleaned up
+    results = json.loads((out / "side-by-side.json").read_text())
+    return results, out
+
+
+def test_tiny_run_has_a_row_per_tool_with_sane_values(tiny: tuple[dict[str, Any], Path]) -> None:
+    results, out = tiny
+    rows = {row["tool"]: row for row in results["summary"]}
+    assert list(rows) == [tool.name for tool in TOOLS]
+    for name, row in rows.items():
+        assert "errors" not in row, (name, row.get("errors"))
+        for key in ("blocked_over_raw_write", "done_over_raw_write", "written_over_state"):
+            assert row[key] > 0, (name, key)
+        assert row["done_over_raw_write"] >= row["blocked_over_raw_write"] * 0.999, name
+        assert row["written_over_state"] > 0.5, name  # a checkpoint holds the whole state
+        assert row["extra_memory_over_state"] >= 0, name
+        assert row["restore_over_raw_read"] > 0, name
+        assert row["smallest_every_under_1pct"] >= 1, name
+        assert 0 <= row["recovery_share"] <= 1, name
+        if row["is_async"]:
+            assert row["blocked_over_memcpy"] > 0, name
+    for name in ("nbresume", "nbresume async"):
+        assert rows[name]["recovery_share"] == 1.0
+        assert rows[name]["bit_exact"] is True
+        kill = results["kill"]["tools"][name]
+        assert kill["kills"] >= 1
+        assert all(o["consistent"] and o["lost"] >= 0 for o in kill["outcomes"])
+    table = (out / "side-by-side.md").read_text()
+    for tool in TOOLS:
+        assert f"| {tool.name} |" in table
+    for plot in report.PLOTS:
+        assert (out / "img" / plot).read_bytes().startswith(b"\x89PNG")
+
+
+def _never_opened(folder: Path, model: Any, optimizer: Any) -> Any:
+    raise AssertionError("a tool whose library is missing must not be run")
+
+
+def test_a_tool_whose_library_is_missing_is_reported_not_run(tmp_path: Path) -> None:
+    absent = Tool("absent", "nbresume_bench_no_such_library", False, True, _never_opened)
+    zygote: Any = None  # never needed: nothing is run
+    results = stall.run(zygote, [absent], sizes=[1], reps=1, scratch=tmp_path, log=print)
+    assert results["sizes"][0]["tools"] == {"absent": {"error": "not installed"}}
+    summary = {"tools": {"absent": {"is_async": False, "fsync": True}}, "stall": results}
+    summary["summary"] = report.summary_rows(summary)
+    assert "| absent | not installed |" in "\n".join(report.summary_table(summary))
