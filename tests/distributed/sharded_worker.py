@@ -16,6 +16,11 @@ it trains on and saves step S, and rank R (default 1) sends SIGKILL to itself ju
 creates the file NAME in the checkpoint's temporary folder, or with ``commit`` just before
 it renames the complete temporary folder into place (seen through Python's audit hooks).
 
+``train ROOT EXPECTED [--total N] [--stop-after S]`` trains to step N under a Checkpointer
+holding the sharded model and optimizer (``every=2``), after restoring (``start STEP``); with
+``--stop-after S`` it asks for a stop after step S, which saves and ends the loop. It prints
+``final STEP DIGEST``, DIGEST a SHA-256 of the full state.
+
 ``restore`` builds a fresh model and optimizer (other random weights), loads the newest
 checkpoint that verifies through :func:`load_sharded`, and prints ``restored STEP same``
 when the full state equals EXPECTED/step-STEP, ``restored STEP differs KEY`` otherwise;
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -43,6 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from nbresume.checkpoint.checkpointer import Checkpointer
 from nbresume.checkpoint.format import TEMP_PREFIX
 from nbresume.checkpoint.sharded import load_sharded, save_sharded
 from nbresume.checkpoint.state import flatten
@@ -139,7 +146,7 @@ def save(args: argparse.Namespace) -> None:
     if args.kill_rank == This.rank:
         sys.addaudithook(die_at)
     say("saving", args.kill_at_step)
-    save_sharded(store, args.kill_at_step, state)
+    save_sharded(store, args.kill_at_step, state, data={"progress": {"step": args.kill_at_step}})
     say("saved", args.kill_at_step)
 
 
@@ -175,13 +182,31 @@ def restore(args: argparse.Namespace) -> None:
         say("restored", loaded.step, "same")
 
 
+def train(args: argparse.Namespace) -> None:
+    """A training loop under a Checkpointer that holds the FSDP2 model and its optimizer."""
+    model, optimizer = build(seed=0)
+    ckpt = Checkpointer(args.root, every=2, keep=2, deadline=None, model=model, optimizer=optimizer)
+    say("start", ckpt.restore())
+    for step in ckpt.steps(args.total):
+        train_step(model, optimizer, step + 1)
+        if step + 1 == args.stop_after:
+            ckpt.request_stop("asked to")
+    document, tensors = full_state(sharded_state(model, optimizer))
+    digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode())
+    for key in sorted(tensors):
+        digest.update(key.encode() + tensors[key].numpy().tobytes())
+    say("final", ckpt.step, digest.hexdigest())
+
+
 def run_rank(rank: int, port: int, argv: list[str]) -> int:
     """One rank of one run, in a forked process."""
     This.rank = rank
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "restore"])
+    parser.add_argument("mode", choices=["save", "restore", "train"])
     parser.add_argument("root")
     parser.add_argument("expected", type=Path)
+    parser.add_argument("--total", type=int, default=6)
+    parser.add_argument("--stop-after", type=int)
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-file", default="")
@@ -192,7 +217,7 @@ def run_rank(rank: int, port: int, argv: list[str]) -> int:
     # A peer that dies must end this rank's wait, not leave it hanging for the default 30 min.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
-        save(args) if args.mode == "save" else restore(args)
+        {"save": save, "restore": restore, "train": train}[args.mode](args)
     except Exception as exc:
         say("error", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return 1

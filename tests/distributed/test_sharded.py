@@ -165,39 +165,88 @@ def test_a_flipped_byte_or_a_planted_pickle_is_refused_before_anything_loads(
     assert not marker.exists()
 
 
+def kill_save(cluster: Cluster, root: Path, expected: Path, rank: int, at: str) -> None:
+    """Save steps 1-3, then kill ``rank`` inside the save of step 4 (before it creates the
+    file ``at`` in the temporary folder, or with ``commit`` before the rename into place)."""
+    lines = cluster.run(
+        "save", root, expected, "--kill-at-step", 4, "--kill-rank", rank, "--kill-file", at
+    )
+    assert exits(lines)[rank] == -9, lines
+    assert exits(lines)[1 - rank] != 0, lines  # its peer lost, the other rank fails
+    assert said(lines, 0, "saved") == ["1", "2", "3"], lines
+    assert [info.step for info in CheckpointStore(root).list()] == [1, 2, 3]
+    assert CheckpointStore(root).verify().summary == "OK 3/3, errors 0"
+
+
 def test_a_kill_during_a_sharded_save_leaves_nothing_restore_would_take(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     root, expected = tmp_path / "root", tmp_path / "expected"
     expected.mkdir()
-    # Rank 1 dies as it begins to write its shard of step 4; rank 0 loses its peer and fails.
-    lines = cluster.run(
-        "save", root, expected, "--kill-at-step", 4, "--kill-file", "sharded.rank00001.safetensors"
-    )
-    assert exits(lines)[1] == -9, lines
-    assert exits(lines)[0] != 0, lines
-    assert said(lines, 0, "saved") == ["1", "2", "3"], lines
-    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(TEMP_PREFIX)) == [
-        "000000000001",
-        "000000000002",
-        "000000000003",
-    ]
     # Rank 0 dies just before it renames the complete folder of step 4, manifest included,
-    # into place: a whole checkpoint sits in the hidden folder, and still is not one.
-    lines = cluster.run(
-        "save", root, expected, "--kill-at-step", 4, "--kill-rank", 0, "--kill-file", "commit"
-    )
-    assert exits(lines)[0] == -9, lines
-    assert exits(lines)[1] != 0, lines
+    # into place: every rank's files are in the hidden folder, and it still is no checkpoint.
+    kill_save(cluster, root, expected, rank=0, at="commit")
     [leftover] = [p for p in root.iterdir() if p.name.startswith(TEMP_PREFIX)]
     assert "000000000004" in leftover.name
-    assert (leftover / MANIFEST_NAME).exists()
-    assert [info.step for info in CheckpointStore(root).list()] == [1, 2, 3]
+    assert {"manifest.json", "sharded.rank00001.safetensors"} <= {
+        p.name for p in leftover.iterdir()
+    }
 
     lines = cluster.run("restore", root, expected)
 
     assert said(lines, 0, "restored") == said(lines, 1, "restored") == ["3 same"], lines
     assert not said(lines, 0, "warning"), lines
+
+
+@pytest.mark.torture
+@pytest.mark.parametrize(
+    ("rank", "at"),
+    [
+        (1, "sharded.rank00001.safetensors"),
+        (0, "sharded.rank00000.safetensors"),
+        (0, "sharded.metadata.json"),
+        (0, "progress.json"),
+        (0, "manifest.json"),
+        (0, "commit"),
+    ],
+)
+def test_a_kill_at_any_point_of_a_sharded_save_leaves_the_last_checkpoint(
+    cluster: Cluster, tmp_path: Path, rank: int, at: str
+) -> None:
+    root, expected = tmp_path / "root", tmp_path / "expected"
+    expected.mkdir()
+    kill_save(cluster, root, expected, rank=rank, at=at)
+
+    lines = cluster.run("restore", root, expected)
+
+    assert said(lines, 0, "restored") == said(lines, 1, "restored") == ["3 same"], lines
+
+
+def test_a_checkpointer_of_an_fsdp2_model_resumes_bit_exact(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The Checkpointer takes the sharded model and optimizer as any other: a run stopped at
+    step 3 and resumed ends with the weights of a run that was never interrupted."""
+    lines = cluster.run("train", tmp_path / "whole", tmp_path, "--total", 6)
+    assert exits(lines) == {0: 0, 1: 0}, lines
+    [uninterrupted] = said(lines, 0, "final")
+    assert said(lines, 1, "final") == [uninterrupted]
+    assert uninterrupted.startswith("6 ")
+
+    lines = cluster.run("train", tmp_path / "run", tmp_path, "--total", 6, "--stop-after", 3)
+    assert exits(lines) == {0: 0, 1: 0}, lines
+    latest = CheckpointStore(tmp_path / "run").latest()
+    assert latest is not None
+    assert latest.step == 3
+    assert {"state.json", "sharded.metadata.json", "sharded.rank00001.safetensors"} <= set(
+        latest.manifest.files
+    )
+    lines = cluster.run("train", tmp_path / "run", tmp_path, "--total", 6)
+
+    assert exits(lines) == {0: 0, 1: 0}, lines
+    assert said(lines, 0, "start") == said(lines, 1, "start") == ["3"], lines
+    assert said(lines, 0, "final") == said(lines, 1, "final") == [uninterrupted], lines
+    assert CheckpointStore(tmp_path / "run").verify().ok
 
 
 class _CreatesFile:

@@ -301,6 +301,9 @@ class Checkpointer:
         """Load the newest checkpoint that verifies into every object; return the step to
         continue from (0 when there is none). Unconditional and idempotent: calling it again
         changes nothing."""
+        sharded = self._sharded_objects()
+        if sharded:
+            return self._restore_sharded(sharded)
         group = distributed.current()
         if group is not None:
             return self._restore_distributed(group)
@@ -376,7 +379,7 @@ class Checkpointer:
                     self._load_object(name, self._objects[name], tree)
                 else:
                     self._pending_objects[name] = tree
-            for name in self._objects.keys() - objects.keys():
+            for name in self._objects.keys() - objects.keys() - set(state.get("sharded", [])):
                 warnings.warn(
                     f"nbresume: the checkpoint at {where} holds no state for {name!r}; "
                     "it keeps its current state",
@@ -464,6 +467,9 @@ class Checkpointer:
         metrics = self._metrics(metric)
         background = self.async_save and not block
         group = distributed.current()
+        sharded = self._sharded_objects()
+        if sharded:
+            return self._save_sharded(group, step, epoch, metrics=metrics, sharded=sharded)
         if group is not None:
             return self._save_distributed(group, step, epoch, metrics, background=background)
         self._background.wait()  # one save in flight at most; the buffers are reused
@@ -537,6 +543,118 @@ class Checkpointer:
         group.broadcast_error(None)
         return info
 
+    # -- sharded state (FSDP2, DTensor): every rank saves and loads its own shards -----------
+
+    def _sharded_objects(self) -> dict[str, Any]:
+        """The objects whose state is sharded, by name (none unless torch.distributed is in
+        use: nothing is imported for a program that does not use it)."""
+        if "torch.distributed" not in sys.modules:
+            return {}
+        from nbresume.checkpoint.sharded import is_sharded_object
+
+        return {n: o for n, o in self._objects.items() if is_sharded_object(o)}
+
+    def _save_sharded(
+        self,
+        group: distributed.Group | None,
+        step: int,
+        epoch: int,
+        *,
+        metrics: dict[str, float],
+        sharded: dict[str, Any],
+    ) -> CheckpointInfo:
+        """Every rank writes its shards of the sharded objects, rank 0 the rest of the state,
+        into one checkpoint (see :mod:`nbresume.checkpoint.sharded`). Always blocking: the
+        write is a collective of all ranks, which must not run in a background thread."""
+        from nbresume.checkpoint.sharded import save_sharded
+
+        self._background.wait()
+        earlier = self._background.take_error()
+        if earlier is not None:
+            log.warning("nbresume: a background save failed (%s); saving again now", earlier)
+        rank = 0 if group is None else group.rank
+        ranks: list[Any] | None = None
+        if group is not None:
+            packed = group.all_gather_bytes(distributed.pack(capture_rng(), name=RNG_GROUP))
+            if rank == 0:
+                where = self.store.location
+                ranks = [distributed.unpack(data, where=f"{where} (rank {r})") for r, data in
+                         enumerate(packed)]  # fmt: skip
+        snapshot: _Snapshot | None = None
+        error: BaseException | None = None
+        if rank == 0:
+            try:
+                snapshot = self._capture(
+                    step, epoch, metrics, copy=False, ranks=ranks, sharded=sharded
+                )
+            except Exception as exc:
+                error = exc
+        if group is not None:
+            problem = group.broadcast_error(error)
+            if problem is not None:
+                raise problem
+        elif error is not None:
+            raise error
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        started = time.monotonic()
+        if snapshot is not None:
+            self.events.emit(ev.SAVE_STARTED, step)
+        try:
+            info = save_sharded(
+                self.store,
+                step,
+                {name: obj.state_dict() for name, obj in sharded.items()},
+                tensors=snapshot.tensors if snapshot else None,
+                data={STATE_FILE: snapshot.state} if snapshot else None,
+                metrics=metrics,
+                on_committed=lambda i: self.events.emit(
+                    ev.COMMITTED, i.step, location=i.location, size=i.size
+                ),
+            )
+        except BaseException as exc:
+            if snapshot is not None:
+                self.events.emit(ev.FAILED, step, error=str(exc))
+            raise
+        if snapshot is not None:
+            seconds = time.monotonic() - started
+            self.cadence.observe_save(seconds)
+            self.events.emit(
+                ev.VERIFIED, info.step, location=info.location, size=info.size, seconds=seconds
+            )
+            if self.durability is not None:
+                self.durability.track(info)
+        return info
+
+    def _restore_sharded(self, sharded: dict[str, Any]) -> int:
+        """Every rank loads its shards in place and the rest of the state (its own RNGs) from
+        the newest checkpoint that verifies; rank 0 picks it for all."""
+        from nbresume.checkpoint.sharded import load_sharded, loadable_state
+
+        if self._restored:
+            return self.step
+        self._restored = True
+        group = distributed.current()
+        states = {name: loadable_state(obj) for name, obj in sharded.items()}
+        try:
+            loaded = load_sharded(self.store, states)
+        except NoCheckpointError:
+            if self._any_committed():
+                raise  # checkpoints exist but none verifies: starting over would hide that
+            if group is not None:
+                self._share_loader_seeds(group)
+            return 0
+        self._apply(
+            loaded,
+            rank=0 if group is None else group.rank,
+            world_size=1 if group is None else group.world_size,
+        )
+        for name, state in states.items():
+            self._load_object(name, sharded[name], state)
+        if group is not None:
+            self._share_loader_seeds(group)
+        return self.step
+
     def _metrics(self, metric: float | Mapping[str, float] | None) -> dict[str, float]:
         if metric is None:
             return {}
@@ -573,10 +691,13 @@ class Checkpointer:
         *,
         copy: bool,
         ranks: list[Any] | None = None,
+        sharded: Mapping[str, Any] | None = None,
     ) -> _Snapshot:
         tensors: dict[str, dict[str, Any]] = {}
         documents: dict[str, Any] = {}
         for name, obj in self._objects.items():
+            if sharded and name in sharded:
+                continue  # saved by every rank through sharded.save_sharded
             documents[name], group = flatten(obj.state_dict(), name=name)
             if group:
                 tensors[name] = group
@@ -611,6 +732,8 @@ class Checkpointer:
         if ranks is not None:
             state["world_size"] = len(ranks)
             state["rank_rng"] = rank_rng
+        if sharded:
+            state["sharded"] = sorted(sharded)
         return _Snapshot(step, tensors, state, metrics)
 
     def _write(self, snapshot: _Snapshot) -> CheckpointInfo:

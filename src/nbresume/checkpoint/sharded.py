@@ -47,7 +47,7 @@ import hashlib
 import io
 import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Union
@@ -131,6 +131,34 @@ def has_sharded_tensors(tree: Any) -> bool:
     except ImportError:  # pragma: no cover - builds without the legacy sharding package
         return False
     return isinstance(tree, ShardedTensor)
+
+
+def is_sharded_object(obj: Any) -> bool:
+    """Whether a stateful object's state is sharded: a module or an optimizer over DTensor
+    (or ShardedTensor) parameters, or anything whose ``state_dict()`` holds one. An optimizer
+    counts before its first step too, when its state is still empty."""
+    import torch
+
+    if isinstance(obj, torch.optim.Optimizer):
+        return has_sharded_tensors([g.get("params", []) for g in obj.param_groups])
+    if isinstance(obj, torch.nn.Module):
+        return has_sharded_tensors(list(obj.parameters())) or has_sharded_tensors(
+            list(obj.buffers())
+        )
+    return has_sharded_tensors(obj.state_dict())
+
+
+def loadable_state(obj: Any) -> Any:
+    """``obj.state_dict()``, ready to be loaded into in place. An optimizer that has not
+    stepped yet has no state to receive the saved one: it is given zeroed state first (a step
+    with zero gradients and a zero learning rate, as DCP's own ``get_state_dict`` does)."""
+    import torch
+
+    if isinstance(obj, torch.optim.Optimizer) and not obj.state:
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(obj)
+    return obj.state_dict()
 
 
 # -- the ranks -----------------------------------------------------------------------------
@@ -583,6 +611,7 @@ def save_sharded(
     tensors: Mapping[str, Mapping[str, Any]] | None = None,
     metrics: Mapping[str, float] | None = None,
     stem: str = DEFAULT_STEM,
+    on_committed: Callable[[CheckpointInfo], None] | None = None,
 ) -> CheckpointInfo:
     """Write, commit and verify the checkpoint of ``step`` from every rank's shards.
 
@@ -590,8 +619,9 @@ def save_sharded(
     ``state_dict`` (DTensors, ShardedTensors, plain tensors and JSON-able values, nested in
     dicts and lists, as ``torch.distributed.checkpoint.save`` takes it). ``data`` and
     ``tensors`` are what rank 0 saves besides, as :meth:`CheckpointStore.save` takes them
-    (other ranks' are ignored). Returns on every rank only after the checkpoint is committed
-    and verified; raises the same error on every rank otherwise.
+    (other ranks' are ignored); ``on_committed`` is called on rank 0 between the commit and
+    the verification. Returns on every rank only after the checkpoint is committed and
+    verified; raises the same error on every rank otherwise.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -659,7 +689,13 @@ def save_sharded(
         else:
             try:
                 manifest_bytes = _commit(
-                    store, step, folder=folder, final=final, reports=reports, metrics=metrics
+                    store,
+                    step,
+                    folder=folder,
+                    final=final,
+                    reports=reports,
+                    metrics=metrics,
+                    on_committed=on_committed,
                 )
             except (OSError, CheckpointError) as exc:
                 outcome = _problem_text(exc)
@@ -708,6 +744,7 @@ def _commit(
     final: str,
     reports: list[dict[str, Any]],
     metrics: Mapping[str, float] | None,
+    on_committed: Callable[[CheckpointInfo], None] | None,
 ) -> bytes:
     """Rank 0: the manifest, the commit, the read-back verification, retention."""
     entries: dict[str, FileEntry] = {}
@@ -731,6 +768,8 @@ def _commit(
     except BaseException:
         store.store.discard(folder)
         raise
+    if on_committed is not None:
+        on_committed(CheckpointInfo(step, final, store.store.child(final), manifest))
     result = store._verify_folder(final, expected_manifest=manifest_bytes)
     if not result.ok:
         store.store.delete(final)
@@ -933,7 +972,9 @@ __all__ = [
     "has_sharded_tensors",
     "is_sharded",
     "is_sharded_file",
+    "is_sharded_object",
     "load_sharded",
+    "loadable_state",
     "metadata_name",
     "save_sharded",
     "shard_names",
