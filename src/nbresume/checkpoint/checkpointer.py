@@ -525,9 +525,18 @@ class Checkpointer:
                     raise problem
             return None
         where = self.store.location
-        ranks = [distributed.unpack(data, where=f"{where} (rank {r})") for r, data in
-                 enumerate(packed)]  # fmt: skip
-        snapshot = self._capture(step, epoch, metrics, copy=background, ranks=ranks)
+        try:
+            ranks = [distributed.unpack(data, where=f"{where} (rank {r})") for r, data in
+                     enumerate(packed)]  # fmt: skip
+            snapshot = self._capture(step, epoch, metrics, copy=background, ranks=ranks)
+        except Exception as exc:
+            if not background:
+                group.broadcast_error(exc)
+                raise
+            # The other ranks went on training: fail like a write would, so that every rank
+            # learns of it at the next step boundary.
+            self._background.start(_raiser(exc))
+            return None
         if background:
 
             def write() -> None:
@@ -1067,6 +1076,13 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.location!r}, step={self.step}, done={self.done})"
+
+
+def _raiser(error: BaseException) -> Callable[[], None]:
+    def fail() -> None:
+        raise error
+
+    return fail
 
 
 def _background_failure(error: BaseException | None) -> CheckpointError | None:

@@ -1,0 +1,1 @@
+"""torch.distributed with real processes: ranks on the gloo backend over loopback."""
