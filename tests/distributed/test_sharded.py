@@ -259,6 +259,22 @@ class _CreatesFile:
         return (open, (self.path, "w"))
 
 
+def test_what_two_ranks_saved_loads_whole_into_one_process(saved: tuple[Path, Path]) -> None:
+    """DCP reshards on load: the number of ranks may change between save and restore."""
+    from safetensors.torch import load_file
+
+    root, expected = saved
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    state = {"model": model.state_dict()}
+
+    loaded = load_sharded(CheckpointStore(root), state)
+
+    assert loaded.step == 3
+    want = load_file(str(expected / "step-3.safetensors"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[f"model/{name}"]), name
+
+
 # -- one rank, no process group ------------------------------------------------------------
 
 
