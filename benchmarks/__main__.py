@@ -12,6 +12,7 @@ import argparse
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -25,12 +26,12 @@ from benchmarks._common import ROOT, file_system, load_average, machine
 from benchmarks.tools import BY_NAME, TOOLS
 from benchmarks.zygote import Zygote, serve
 
-REFERENCE_LOOP = {"width": 1024, "depth": 4, "batch": 32, "warmup": 10}
+REFERENCE_LOOP = {"width": 1024, "depth": 4, "batch": 32, "threads": 1, "warmup": 5}
 MODES: dict[str, dict[str, Any]] = {
     # a few MB, one kill per tool: the smoke test's mode
     "tiny": {
         "sizes": [3], "reps": 2,
-        "loop": {"width": 128, "depth": 2, "batch": 16, "warmup": 1, "every": 4,
+        "loop": {"width": 128, "depth": 2, "batch": 16, "threads": 1, "warmup": 1, "every": 4,
                  "segments": 2, "reps": 1},
         "kills": 1, "kill": {"mb": 1, "every": 3, "window": 0.2},
         "resume": {"mb": 3, "steps": 2, "more": 2},
@@ -38,13 +39,13 @@ MODES: dict[str, dict[str, Any]] = {
     # the mode whose output the documentation shows: under 10 minutes on 2 cores
     "quick": {
         "sizes": [50, 500], "reps": 3,
-        "loop": {**REFERENCE_LOOP, "every": 40, "segments": 3, "reps": 2},
+        "loop": {**REFERENCE_LOOP, "every": 20, "segments": 3, "reps": 2},
         "kills": 8, "kill": {"mb": 10, "every": 5, "window": 1.0},
         "resume": {"mb": 200, "steps": 2, "more": 2},
     },
     "full": {
         "sizes": [50, 500, 2000], "reps": 5,
-        "loop": {**REFERENCE_LOOP, "every": 50, "segments": 4, "reps": 3},
+        "loop": {**REFERENCE_LOOP, "every": 40, "segments": 4, "reps": 3},
         "kills": 30, "kill": {"mb": 10, "every": 5, "window": 1.5},
         "resume": {"mb": 500, "steps": 2, "more": 2},
     },
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(f"{command}: {len(tools)} tools, suites {', '.join(suites)}, scratch {scratch}")
     zygote = Zygote()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the zygote is closed
     try:
         if "stall" in suites:
             results["stall"] = stall.run(

@@ -2,9 +2,11 @@
 
 **The reference loop**: an MLP of ``depth`` hidden layers of ``width`` units (ReLU) and a
 10-way output, trained with Adam and cross-entropy on synthetic batches of ``batch`` samples
-drawn from a generator seeded by the step (no data loading), on the CPU with torch's default
-threads. With width 1024 and depth 4 the model has 4.2 M parameters (16.8 MB) and its state
-with Adam's two moments is 50 MB.
+drawn from a generator (no data loading), on the CPU with ``threads`` torch threads (one:
+the other core is left to a background save, as a GPU training loop leaves the CPU mostly
+free; on a shared machine more threads also make step times erratic). With width 1024 and
+depth 4 the model has 4.2 M parameters (16.8 MB) and its state with Adam's two moments is
+50 MB.
 
 For each tool, in one fresh process, runs of ``segments x every`` steps are timed, alternately
 without checkpointing and with a save after every ``every`` steps but the last segment; each
@@ -46,6 +48,7 @@ def build_reference(width: int, depth: int) -> tuple[Any, Any]:
 def child(args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    torch.set_num_threads(args["threads"])
     tool = BY_NAME[args["tool"]]
     tool.import_library()
     folder = Path(args["folder"])
@@ -89,6 +92,8 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         "step_s": median(plain) / steps,
         "extra_per_save_s": extra,
         "plain_runs_s": plain,
+        # the resolution: how much two runs without any save differ, per save
+        "noise_per_save_s": (max(plain) - min(plain)) / saves,
         "checkpointing_runs_s": checkpointing,
         "steps_per_run": steps,
         "saves_per_run": saves,

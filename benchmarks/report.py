@@ -150,20 +150,23 @@ def markdown(results: dict[str, Any]) -> str:
         s = loop["settings"]
         out += ["## 2. Throughput in the reference loop", "",
                 f"MLP {s['depth']} x {s['width']} (ReLU) + 10-way output, Adam, batch "
-                f"{s['batch']}, synthetic data; runs of {s['every'] * s['segments']} steps "
+                f"{s['batch']}, synthetic data, {s['threads']} torch thread(s); runs of "
+                f"{s['every'] * s['segments']} steps "
                 f"with and without a save every {s['every']} steps, {s['reps']} of each, "
                 "interleaved.", ""]  # fmt: skip
         rows = []
         for name, item in loop["tools"].items():
             if not _ok(item):
-                rows.append([name, item["error"], *["–"] * 5])
+                rows.append([name, item["error"], *["–"] * 6])
                 continue
             rows.append([
                 name, f"{item['state_bytes'] / 1e6:.0f} MB", _seconds(item["step_s"]),
-                _seconds(item["extra_per_save_s"]), _pct(item["overhead_at_200"]),
+                _seconds(item["extra_per_save_s"]), _seconds(item["noise_per_save_s"]),
+                _pct(item["overhead_at_200"]),
                 str(item["smallest_every_under_1pct"]),
             ])  # fmt: skip
-        out += _table(["Tool", "State", "Step", "Extra per save", "Overhead, save every 200",
+        out += _table(["Tool", "State", "Step", "Extra per save",
+                       "Noise per save (plain runs' spread)", "Overhead, save every 200",
                        "Smallest N under 1 %"], rows)  # fmt: skip
         out.append("")
     kill = results.get("kill")

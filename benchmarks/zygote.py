@@ -100,6 +100,7 @@ class Zygote:
         self.loaded: list[str] = self._read(300)["ready"]
         self.scratch = Path(tempfile.mkdtemp(prefix="nbresume-bench-results-"))
         self.count = 0
+        self.active: int | None = None  # the child started and not yet joined
 
     def _read(self, timeout: float) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -120,16 +121,19 @@ class Zygote:
         line = json.dumps({"kind": kind, "args": {**args, "result": str(result)}}) + "\n"
         self.process.stdin.write(line.encode())
         self.process.stdin.flush()
-        return int(self._read(60)["pid"]), result
+        self.active = int(self._read(60)["pid"])
+        return self.active, result
 
     def join(self, pid: int, timeout: float) -> int:
         """Wait for the child to end (killing it after ``timeout``); its exit status."""
         try:
-            return int(self._read(timeout)["exit"])
+            code = int(self._read(timeout)["exit"])
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            return int(self._read(60)["exit"])
+            code = int(self._read(60)["exit"])
+        self.active = None
+        return code
 
     def call(self, kind: str, args: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
         """Run ``kind`` in a fresh child and return its answer (``{"error": ...}`` if none)."""
@@ -141,6 +145,9 @@ class Zygote:
         return {"error": f"the child ended with status {code} and no answer"}
 
     def close(self) -> None:
+        if self.active is not None:  # interrupted in the middle of a measurement
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.active, signal.SIGKILL)
         if self.process.stdin is not None:
             self.process.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
