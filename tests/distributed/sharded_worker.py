@@ -6,7 +6,7 @@ imported again: that is what makes several runs per test affordable), waits for 
 prints ``exit RANK CODE`` for each (a negative code: killed by that signal), then ``done``.
 Every line a rank prints starts with ``rankN``. Commands:
 
-    save ROOT EXPECTED [--kill-at-step S --kill-rank R --kill-file NAME|commit]
+    save ROOT EXPECTED [--kill-at-step S --kill-rank R --kill-file NAME|commit [--kill-only]]
     restore ROOT EXPECTED
 
 ``save`` trains a small model sharded with ``fully_shard``, saves steps 1, 2 and 3 through
@@ -14,7 +14,8 @@ Every line a rank prints starts with ``rankN``. Commands:
 the shards) to EXPECTED/step-N.* for the restore to compare with. With ``--kill-at-step S``
 it trains on and saves step S, and rank R (default 1) sends SIGKILL to itself just before it
 creates the file NAME in the checkpoint's temporary folder, or with ``commit`` just before
-it renames the complete temporary folder into place (seen through Python's audit hooks).
+it renames the complete temporary folder into place (seen through Python's audit hooks);
+with ``--kill-only`` it trains steps 1-3 without saving them (ROOT already holds them).
 
 ``train ROOT EXPECTED [--total N] [--stop-after S]`` trains to step N under a Checkpointer
 holding the sharded model and optimizer (``every=2``), after restoring (``start STEP``); with
@@ -118,6 +119,8 @@ def save(args: argparse.Namespace) -> None:
     model, optimizer = build(seed=0)
     for step in range(1, 4):
         train_step(model, optimizer, step)
+        if args.kill_only:
+            continue
         state = sharded_state(model, optimizer)
         save_sharded(store, step, state, data={"progress": {"step": step}})
         document, tensors = full_state(state)
@@ -210,6 +213,7 @@ def run_rank(rank: int, port: int, argv: list[str]) -> int:
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-file", default="")
+    parser.add_argument("--kill-only", action="store_true")
     args = parser.parse_args(argv)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)

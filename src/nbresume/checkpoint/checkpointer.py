@@ -555,10 +555,8 @@ class Checkpointer:
     # -- sharded state (FSDP2, DTensor): every rank saves and loads its own shards -----------
 
     def _sharded_objects(self) -> dict[str, Any]:
-        """The objects whose state is sharded, by name (none unless torch.distributed is in
-        use: nothing is imported for a program that does not use it)."""
-        if "torch.distributed" not in sys.modules:
-            return {}
+        """The objects whose state is sharded, by name (none, and nothing imported, in a
+        program that has not imported DTensor or ShardedTensor)."""
         from nbresume.checkpoint.sharded import is_sharded_object
 
         return {n: o for n, o in self._objects.items() if is_sharded_object(o)}

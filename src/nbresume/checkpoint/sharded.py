@@ -46,6 +46,7 @@ import contextlib
 import hashlib
 import io
 import json
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -112,31 +113,50 @@ def is_sharded_file(name: str, stem: str = DEFAULT_STEM) -> bool:
     )
 
 
+def _sharded_types() -> tuple[type, ...]:
+    """The sharded tensor classes the program has imported: none were imported, none exist
+    (so that a program without them imports nothing here)."""
+    found = []
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and hasattr(dtensor, "DTensor"):
+        found.append(dtensor.DTensor)
+    legacy = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    if legacy is not None and hasattr(legacy, "ShardedTensor"):
+        found.append(legacy.ShardedTensor)
+    return tuple(found)
+
+
 def has_sharded_tensors(tree: Any) -> bool:
     """Whether a ``state_dict`` tree holds a DTensor or a ShardedTensor anywhere."""
-    import torch
+    kinds = _sharded_types()
+    return bool(kinds) and _holds(tree, kinds)
 
+
+def _holds(tree: Any, kinds: tuple[type, ...]) -> bool:
     if isinstance(tree, Mapping):
-        return any(has_sharded_tensors(v) for v in tree.values())
+        return any(_holds(v, kinds) for v in tree.values())
     if isinstance(tree, (list, tuple)):
-        return any(has_sharded_tensors(v) for v in tree)
-    if not isinstance(tree, torch.Tensor):
-        return False
-    from torch.distributed.tensor import DTensor
+        return any(_holds(v, kinds) for v in tree)
+    return isinstance(tree, kinds)
 
-    if isinstance(tree, DTensor):
-        return True
-    try:
-        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    except ImportError:  # pragma: no cover - builds without the legacy sharding package
-        return False
-    return isinstance(tree, ShardedTensor)
+
+# Stateful objects whose state is never sharded, and whose state_dict() need not be asked.
+_NEVER_SHARDED = (
+    "nbresume.",
+    "torch.utils.data",
+    "torchdata",
+    "torch.optim.lr_scheduler",
+    "torch.amp",
+    "torch.cuda.amp",
+)
 
 
 def is_sharded_object(obj: Any) -> bool:
     """Whether a stateful object's state is sharded: a module or an optimizer over DTensor
     (or ShardedTensor) parameters, or anything whose ``state_dict()`` holds one. An optimizer
     counts before its first step too, when its state is still empty."""
+    if not _sharded_types() or type(obj).__module__.startswith(_NEVER_SHARDED):
+        return False
     import torch
 
     if isinstance(obj, torch.optim.Optimizer):
