@@ -133,6 +133,24 @@ class Store(ABC):
                 yield chunk
 
 
+def read_into(handle: IO[bytes], view: memoryview) -> int:
+    """Fill ``view`` from ``handle``; return how many bytes were read (fewer only at the end
+    of the file). Reads straight into ``view`` where the file object can (``readinto``)."""
+    readinto = getattr(handle, "readinto", None)
+    done, size = 0, view.nbytes
+    while done < size:
+        if readinto is not None:
+            count = readinto(view[done:])
+        else:
+            chunk = handle.read(size - done)
+            count = len(chunk)
+            view[done : done + count] = chunk
+        if not count:
+            break
+        done += count
+    return done
+
+
 def replaced_step(name: str) -> str | None:
     """The checkpoint folder that ``name`` is an older copy of, moved aside while a new copy
     of the same step was being committed (``None`` for any other name)."""
@@ -422,3 +440,21 @@ def _register_platform_hooks(path: Path) -> None:
     mount = os.path.realpath(knobs.drive_mount()).rstrip("/") + "/"
     if os.path.realpath(path).startswith(mount):
         import nbresume.platforms.drive  # noqa: F401 - importing it registers its hook
+
+
+def handle_size(handle: IO[bytes]) -> int | None:
+    """The size of an open file where its file object can tell without reading it."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        info = os.fstat(handle.fileno())
+        if stat.S_ISREG(info.st_mode):
+            return info.st_size
+    size = getattr(handle, "size", None)  # fsspec's buffered files
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if handle.seekable():
+            here = handle.tell()
+            end = handle.seek(0, os.SEEK_END)
+            handle.seek(here)
+            return end
+    return None

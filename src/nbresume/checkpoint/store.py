@@ -6,14 +6,19 @@ The commit protocol (the code below does exactly this, in this order):
    step that was being replaced is put back if the new copy never landed.
 2. Check free bytes and inodes against the exact size of the checkpoint (every byte of it is
    known before the first write). Refuse with both numbers and the fix when it does not fit.
-3. Write every payload file, hashing each byte on its way to the file (SHA-256, and MD5 for
-   stores that compare MD5s, such as Google Drive), and make each file durable.
+3. Write every payload file from the bytes in memory while threads of their own hash the same
+   bytes (SHA-256, and MD5 for stores that compare MD5s, such as Google Drive), and make each
+   file durable. The bytes are not changed during a save: a synchronous save holds the
+   training thread, an asynchronous one writes host copies that nothing else touches.
    On a POSIX folder this happens in a temporary sibling folder ``.nbresume-tmp-<step>-...``;
    on an object store, in place, after the manifest of any earlier copy was withdrawn.
 4. Write ``manifest.json`` last: every file with its size and hash. It is the commit marker.
 5. POSIX only: fsync the temporary folder, rename it into place, fsync the parent folder.
-6. Verify: read every file back from the store and compare sizes and hashes with the manifest.
-   Only now is the checkpoint reported as saved.
+6. Verify: read the manifest back and compare it with the one written, then read every file
+   back from the store and compare it byte for byte with the bytes in memory that were hashed
+   into the manifest (this proves what re-hashing would, at the speed of memory). Only now
+   is the checkpoint reported as saved. ``verify()`` and ``load()``, which have no copy in
+   memory, re-hash every byte.
 7. Retention: delete checkpoints beyond the policy, oldest first, each withdrawn from view in
    one step (a rename on POSIX, the manifest first on object stores), so a kill at any moment
    leaves only whole checkpoints.
@@ -27,12 +32,15 @@ from __future__ import annotations
 import builtins
 import errno
 import hashlib
+import itertools
 import json
 import logging
 import math
 import os
+import queue
+import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import IO, Any
@@ -48,7 +56,14 @@ from nbresume.checkpoint.format import (
     parse_step_dirname,
     step_dirname,
 )
-from nbresume.checkpoint.storage import Store, open_store, replaced_step
+from nbresume.checkpoint.storage import (
+    READ_CHUNK,
+    Store,
+    handle_size,
+    open_store,
+    read_into,
+    replaced_step,
+)
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -62,6 +77,12 @@ log = logging.getLogger("nbresume")
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 #: Slack on top of the exact checkpoint size: the manifest and file system metadata.
 SPACE_SLACK = 1 << 20
+#: Files smaller than this are hashed in the calling thread: starting a thread costs more.
+THREAD_MIN_BYTES = 1 << 20
+#: Buffers kept for comparing pieces of files read back (one per piece size).
+_READ_BACK_BUFFERS = 4
+
+Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -233,7 +254,11 @@ class CheckpointStore:
         info = CheckpointInfo(step, final, self.store.child(final), manifest)
         if on_committed is not None:
             on_committed(info)
-        result = self._verify_folder(final, expected_manifest=manifest_bytes)
+        result = self._verify_folder(
+            final,
+            expected_manifest=manifest_bytes,
+            written={name: chunks for name, _, chunks in files},
+        )
         if not result.ok:
             # Committed but not what we wrote: never leave a known-bad checkpoint to be found.
             self.store.delete(final)
@@ -258,8 +283,8 @@ class CheckpointStore:
 
     def _encode(
         self, tensors: Mapping[str, Mapping[str, Any]], data: Mapping[str, Any]
-    ) -> list[tuple[str, int, Iterable[bytes | memoryview]]]:
-        files: list[tuple[str, int, Iterable[bytes | memoryview]]] = []
+    ) -> list[tuple[str, int, Sequence[bytes | memoryview]]]:
+        files: list[tuple[str, int, Sequence[bytes | memoryview]]] = []
         for stem, group in tensors.items():
             encoded = tensorfile.encode(group)
             files.append(
@@ -293,22 +318,26 @@ class CheckpointStore:
     def _write_file(
         self, folder: str, name: str, chunks: Iterable[bytes | memoryview]
     ) -> FileEntry:
-        sha = hashlib.sha256()
-        md5 = hashlib.md5(usedforsecurity=False) if self.md5 else None
-        size = 0
-        handle: IO[bytes] = self.store.open_write(folder, name)
+        """Write ``chunks`` to a new file and make it durable, hashing the same memory in
+        threads of their own meanwhile (the write and the hash overlap)."""
+        chunks = chunks if isinstance(chunks, Sequence) else list(chunks)
+        size = sum(len(c) if isinstance(c, bytes) else c.nbytes for c in chunks)
+        digests = _Digests(md5=self.md5, threaded=size >= THREAD_MIN_BYTES)
         try:
             for chunk in chunks:
-                sha.update(chunk)
-                if md5 is not None:
-                    md5.update(chunk)
-                handle.write(chunk)
-                size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
-        except BaseException:
-            handle.close()
-            raise
-        self.store.close_durably(handle)
-        return FileEntry(size=size, sha256=sha.hexdigest(), md5=md5.hexdigest() if md5 else None)
+                digests.update(chunk)
+            handle: IO[bytes] = self.store.open_write(folder, name)
+            try:
+                for chunk in chunks:
+                    handle.write(chunk)
+            except BaseException:
+                handle.close()
+                raise
+            self.store.close_durably(handle)
+            sha256, md5 = digests.result()
+        finally:
+            digests.cancel()
+        return FileEntry(size=size, sha256=sha256, md5=md5)
 
     def _check_space(self, needed: int, inodes: int) -> None:
         free = self.store.free_space()
@@ -431,7 +460,19 @@ class CheckpointStore:
                 uncommitted.append(name)
         return VerifyReport(self.location, tuple(results), tuple(uncommitted))
 
-    def _verify_folder(self, name: str, expected_manifest: bytes | None = None) -> VerifyResult:
+    def _verify_folder(
+        self,
+        name: str,
+        expected_manifest: bytes | None = None,
+        written: Mapping[str, Sequence[Buffer]] | None = None,
+    ) -> VerifyResult:
+        """Check a checkpoint folder against its manifest.
+
+        With ``expected_manifest`` (right after a save) the manifest must read back as those
+        bytes, and a file whose bytes are in ``written`` (the very memory that was hashed into
+        that manifest and written) is read back and compared with them byte for byte; every
+        other file is read back and re-hashed.
+        """
         step = parse_step_dirname(replaced_step(name) or name)
         assert step is not None
         location = self.store.child(name)
@@ -439,18 +480,12 @@ class CheckpointStore:
             manifest = self._read_manifest(name, step)
             if expected_manifest is not None and manifest.to_bytes() != expected_manifest:
                 raise CorruptCheckpointError("the manifest read back differs", where=location)
+            buffers = _ReadBackBuffers()
             for file_name, entry in manifest.files.items():
-                sha = hashlib.sha256()
-                md5 = hashlib.md5(usedforsecurity=False) if entry.md5 else None
-                size = 0
-                for chunk in self.store.iter_chunks(name, file_name):
-                    sha.update(chunk)
-                    if md5 is not None:
-                        md5.update(chunk)
-                    size += len(chunk)
-                    if size > entry.size:
-                        break
-                _check_file(self.store.child(name, file_name), entry, size, sha.hexdigest(), md5)
+                if expected_manifest is not None and written and file_name in written:
+                    self._compare_file(name, file_name, entry, written[file_name], buffers)
+                else:
+                    self._hash_file(name, file_name, entry)
         except CorruptCheckpointError as exc:
             return VerifyResult(name, step, location, ok=False, problem=str(exc))
         except FileNotFoundError as exc:
@@ -460,6 +495,111 @@ class CheckpointStore:
         except OSError as exc:
             return VerifyResult(name, step, location, ok=False, problem=f"cannot read: {exc}")
         return VerifyResult(name, step, location, ok=True, size=manifest.payload_bytes)
+
+    def _compare_file(
+        self,
+        name: str,
+        file_name: str,
+        entry: FileEntry,
+        written: Sequence[Buffer],
+        buffers: _ReadBackBuffers,
+    ) -> None:
+        """Read a file back and compare it with the bytes it was written from."""
+        where = self.store.child(name, file_name)
+        size = 0
+        with self.store.open_read(name, file_name) as handle:
+            for chunk in written:
+                view = memoryview(chunk).cast("B")
+                for start in range(0, view.nbytes, READ_CHUNK):
+                    piece = view[start : start + READ_CHUNK]
+                    buffer = buffers.get(piece.nbytes)
+                    count = read_into(handle, memoryview(buffer))
+                    size += count
+                    if count < piece.nbytes:
+                        _check_size(where, entry, size)  # the file is too short: says so
+                    # bytearray == buffer is one memcmp (a memoryview on the left is not).
+                    if buffer != piece:
+                        raise CorruptCheckpointError(
+                            "the bytes read back differ from the bytes written", where=where
+                        )
+            if handle.read(1):
+                size += 1
+        _check_size(where, entry, size)
+
+    def _hash_file(self, name: str, file_name: str, entry: FileEntry) -> None:
+        """Read a file back and check its size and hashes against ``entry``: each piece is
+        hashed in a thread while the next one is read."""
+        where = self.store.child(name, file_name)
+        capacity = min(READ_CHUNK, entry.size + 1)  # one byte more shows a file too large
+        ring: list[bytearray] = []
+        digests = _Digests(md5=entry.md5 is not None, threaded=entry.size >= THREAD_MIN_BYTES)
+        size = 0
+        try:
+            with self.store.open_read(name, file_name) as handle:
+                for index in itertools.count():
+                    if len(ring) < 3:
+                        ring.append(bytearray(capacity))
+                    else:
+                        digests.wait(index - len(ring) + 1)  # the buffer is hashed: reuse it
+                    buffer = memoryview(ring[index % len(ring)])
+                    count = read_into(handle, buffer)
+                    if count:
+                        digests.update(buffer[:count])
+                        size += count
+                    if count < capacity or size > entry.size:
+                        break
+            sha256, md5 = digests.result()
+        finally:
+            digests.cancel()
+        _check_hashes(where, entry, size, sha256, md5)
+
+    def _read_verified(self, name: str, files: Mapping[str, FileEntry]) -> dict[str, memoryview]:
+        """Every file of ``files`` read once into a buffer of its own, its size and hashes
+        checked against ``files`` before it is returned.
+
+        Each file is read straight into its final buffer in pieces, each piece hashed in a
+        thread while the next is read; the hashes of different files run in parallel (the
+        largest file is read first, so that its hash, the longest, starts first).
+        """
+        import numpy as np
+
+        pending: list[tuple[str, FileEntry, memoryview, int, _Digests]] = []
+        try:
+            for file_name, entry in sorted(files.items(), key=lambda item: -item[1].size):
+                where = self.store.child(name, file_name)
+                try:
+                    with self.store.open_read(name, file_name) as handle:
+                        known = handle_size(handle)
+                        digests = _Digests(
+                            md5=entry.md5 is not None, threaded=entry.size >= THREAD_MIN_BYTES
+                        )
+                        pending.append((file_name, entry, memoryview(b""), 0, digests))
+                        if known is None:
+                            buffer, size = _read_unsized(handle, entry.size, digests)
+                        else:
+                            # np.empty: the pages are filled by the read, never zeroed first.
+                            buffer = np.empty(min(known, entry.size), np.uint8).data
+                            size = _read_hashing(handle, buffer, digests)
+                            if size == entry.size and handle.read(1):
+                                size += 1  # more bytes than the manifest says
+                except FileNotFoundError:
+                    raise CorruptCheckpointError("the file is missing", where=where) from None
+                except OSError as exc:
+                    raise CorruptCheckpointError(
+                        f"cannot read the file: {exc}", where=where
+                    ) from None
+                pending[-1] = (file_name, entry, buffer, size, digests)
+            results = {item[0]: item for item in pending}
+            out: dict[str, memoryview] = {}
+            for file_name in files:  # checked in the manifest's order
+                _, entry, buffer, size, digests = results[file_name]
+                sha256, md5 = digests.result()
+                _check_hashes(self.store.child(name, file_name), entry, size, sha256, md5)
+                out[file_name] = buffer
+            return out
+        finally:
+            for *_, digests in pending:
+                digests.cancel()
 
     def load(self, step: int | None = None, *, framework: str = "torch") -> LoadedCheckpoint:
         """The newest checkpoint that verifies (or exactly the one of ``step``).
@@ -514,22 +654,16 @@ class CheckpointStore:
     def _load_folder(self, step: int, name: str, framework: str) -> LoadedCheckpoint:
         manifest = self._read_manifest(name, step)
         loaded = LoadedCheckpoint(step, self.store.child(name), manifest)
-        for file_name, entry in manifest.files.items():
+        # Nothing is parsed before every file's hash matched.
+        buffers = self._read_verified(name, manifest.files)
+        for file_name, buffer in buffers.items():
             where = self.store.child(name, file_name)
-            try:
-                buffer = self.store.read_bytes(name, file_name, limit=entry.size)
-            except FileNotFoundError:
-                raise CorruptCheckpointError("the file is missing", where=where) from None
-            except OSError as exc:
-                raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
-            md5 = hashlib.md5(buffer, usedforsecurity=False) if entry.md5 else None
-            _check_file(where, entry, len(buffer), hashlib.sha256(buffer).hexdigest(), md5)
             stem, kind = file_name.rsplit(".", 1)
             if kind == "safetensors":
                 loaded.tensors[stem] = tensorfile.decode(buffer, where=where, framework=framework)
             else:
                 try:
-                    loaded.data[stem] = json.loads(buffer.decode("utf-8"))
+                    loaded.data[stem] = json.loads(str(buffer, "utf-8"))
                 except (UnicodeDecodeError, ValueError, RecursionError):
                     raise CorruptCheckpointError("not valid JSON", where=where) from None
         return loaded
@@ -600,6 +734,11 @@ class CheckpointStore:
 
 
 def _check_file(where: str, entry: FileEntry, size: int, sha256: str, md5: Any) -> None:
+    """Size and hashes against the manifest's entry (``md5``: a hash object or ``None``)."""
+    _check_hashes(where, entry, size, sha256, None if md5 is None else md5.hexdigest())
+
+
+def _check_size(where: str, entry: FileEntry, size: int) -> None:
     if size != entry.size:
         relation = "larger" if size > entry.size else "smaller"
         raise CorruptCheckpointError(
@@ -607,10 +746,150 @@ def _check_file(where: str, entry: FileEntry, size: int, sha256: str, md5: Any) 
             + ("" if size > entry.size else f" ({size} bytes)"),
             where=where,
         )
+
+
+def _check_hashes(where: str, entry: FileEntry, size: int, sha256: str, md5: str | None) -> None:
+    _check_size(where, entry, size)
     if sha256 != entry.sha256:
         raise CorruptCheckpointError("sha256 mismatch: the file's bytes have changed", where=where)
-    if md5 is not None and md5.hexdigest() != entry.md5:
+    if md5 is not None and md5 != entry.md5:
         raise CorruptCheckpointError("md5 mismatch: the file's bytes have changed", where=where)
+
+
+def _read_hashing(handle: IO[bytes], buffer: memoryview, digests: _Digests) -> int:
+    """Fill ``buffer`` from ``handle`` in pieces, each handed to ``digests`` once read."""
+    size = 0
+    while size < buffer.nbytes:
+        piece = buffer[size : size + READ_CHUNK]
+        count = read_into(handle, piece)
+        if count:
+            digests.update(piece[:count])
+            size += count
+        if count < piece.nbytes:
+            break
+    return size
+
+
+def _read_unsized(handle: IO[bytes], limit: int, digests: _Digests) -> tuple[memoryview, int]:
+    """A file whose size its file object cannot tell, read up to one byte past ``limit``."""
+    pieces = []
+    size = 0
+    while size <= limit and (chunk := handle.read(min(READ_CHUNK, limit + 1 - size))):
+        digests.update(chunk)
+        pieces.append(chunk)
+        size += len(chunk)
+    return memoryview(bytearray(b"".join(pieces))), size
+
+
+class _HashThread:
+    """One hash of a stream of buffers, computed in a thread of its own.
+
+    hashlib releases the GIL while it hashes a large buffer, so the caller writes or reads
+    the next bytes meanwhile. Buffers must not change until they are hashed (:meth:`wait`).
+    Without a thread (small files, or an interpreter too far in its shutdown to start one)
+    the caller hashes each buffer itself.
+    """
+
+    def __init__(self, hasher: Any, *, threaded: bool) -> None:
+        self._hash = hasher
+        self._queue: queue.SimpleQueue[Buffer | None] = queue.SimpleQueue()
+        self._hashed = 0
+        self._changed = threading.Condition()
+        self._cancelled = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if threaded:
+            thread = threading.Thread(target=self._run, name="nbresume-hash", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:
+                pass
+            else:
+                self._thread = thread
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if not self._cancelled and self._error is None:
+                    self._hash.update(item)
+            except BaseException as exc:  # raised in the caller by hexdigest()
+                self._error = exc
+            with self._changed:
+                self._hashed += 1
+                self._changed.notify_all()
+
+    def update(self, data: Buffer) -> None:
+        if self._thread is None:
+            self._hash.update(data)
+            self._hashed += 1
+        else:
+            self._queue.put(data)
+
+    def wait(self, count: int) -> None:
+        """Until the first ``count`` buffers are hashed."""
+        if self._thread is not None:
+            with self._changed:
+                self._changed.wait_for(lambda: self._hashed >= count)
+
+    def hexdigest(self) -> str:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+        digest: str = self._hash.hexdigest()
+        return digest
+
+    def cancel(self) -> None:
+        """Stop hashing (what is queued is skipped); the thread ends on its own."""
+        if self._thread is not None:
+            self._cancelled = True
+            self._queue.put(None)
+            self._thread = None
+
+
+class _Digests:
+    """SHA-256, and optionally MD5, of one file's bytes, each in a thread of its own."""
+
+    def __init__(self, *, md5: bool, threaded: bool) -> None:
+        self._threads = [_HashThread(hashlib.sha256(), threaded=threaded)]
+        if md5:
+            self._threads.append(_HashThread(hashlib.md5(usedforsecurity=False), threaded=threaded))
+
+    def update(self, data: Buffer) -> None:
+        for thread in self._threads:
+            thread.update(data)
+
+    def wait(self, count: int) -> None:
+        for thread in self._threads:
+            thread.wait(count)
+
+    def result(self) -> tuple[str, str | None]:
+        """(SHA-256, MD5 or ``None``) in hex, once every buffer given is hashed."""
+        sha256 = self._threads[0].hexdigest()
+        return sha256, self._threads[1].hexdigest() if len(self._threads) > 1 else None
+
+    def cancel(self) -> None:
+        for thread in self._threads:
+            thread.cancel()
+
+
+class _ReadBackBuffers:
+    """Reused buffers of exact sizes to read pieces of files back into: comparing a bytearray
+    with another buffer of the same size is one memcmp, so each size needs its own."""
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, bytearray] = {}
+
+    def get(self, size: int) -> bytearray:
+        buffer = self._by_size.pop(size, None)
+        if buffer is None:
+            buffer = bytearray(size)
+            if len(self._by_size) >= _READ_BACK_BUFFERS:
+                del self._by_size[next(iter(self._by_size))]  # the least recently used
+        self._by_size[size] = buffer
+        return buffer
 
 
 def _check_keep_best(keep_best: KeepBest | None) -> tuple[str, str, int] | None:

@@ -219,7 +219,9 @@ def parse_header(
     return data_start, specs, dict(metadata_raw)
 
 
-def decode(buffer: bytearray, *, where: str, framework: str = "torch") -> dict[str, Any]:
+def decode(
+    buffer: bytearray | memoryview, *, where: str, framework: str = "torch"
+) -> dict[str, Any]:
     """Tensors of a safetensors file held in ``buffer`` (shared with it, not copied)."""
     if framework not in ("torch", "numpy"):
         raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
@@ -238,7 +240,11 @@ def decode(buffer: bytearray, *, where: str, framework: str = "torch") -> dict[s
 
 
 def _decode(
-    buffer: bytearray, data_start: int, specs: Mapping[str, TensorSpec], where: str, framework: str
+    buffer: bytearray | memoryview,
+    data_start: int,
+    specs: Mapping[str, TensorSpec],
+    where: str,
+    framework: str,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if framework == "torch":
