@@ -90,7 +90,7 @@ def test_a_killed_rank_and_a_new_torchrun_end_bit_identical(
 ) -> None:
     """One rank dies as a preempted or OOM-killed worker does; torchrun ends the job, and
     the identical command, run again, resumes from the last verified checkpoint."""
-    command = (tmp_path / "run", TOTAL, "--every", str(EVERY), "--sleep", "0.2")
+    command = (tmp_path / "run", TOTAL, "--every", str(EVERY), "--sleep", "0.15")
     first = torchrun(*command)
     first.wait_for("rank 0 event verified 12")  # mid-epoch: 8 batches per epoch
     os.kill(first.pid(1), signal.SIGKILL)
