@@ -88,32 +88,71 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
-def _wait_for(path: Path, keys: tuple[str, ...], answer: Path) -> dict[str, Any] | None:
-    """The first message of the child's log with one of ``keys``; ``None`` if the child ended
-    (or two minutes passed) without one."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ended = answer.exists()
-        for message in _lines(path):
-            if any(key in message for key in keys):
-                return message
-        if ended:
-            return None
-        time.sleep(0.01)
-    return None
+class _Life:
+    """One child of the chain, as the runner sees it."""
+
+    def __init__(self, zygote: Zygote, args: dict[str, Any], log: Path) -> None:
+        self.zygote, self.log = zygote, log
+        self.pid, self.answer = zygote.start("kill-life", {**args, "log": str(log)})
+        self.status: int | None = None
+
+    def ended(self) -> bool:
+        return self.status is not None or self.answer.exists() or self.zygote.child_ended()
+
+    def wait_for(self, key: str) -> dict[str, Any] | None:
+        """The child's first message with ``key``; ``None`` if it ended (or two minutes
+        passed) without one."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ended = self.ended()
+            for message in _lines(self.log):
+                if key in message:
+                    return message
+            if ended:
+                return None
+            time.sleep(0.01)
+        return None
+
+    def resume(self) -> dict[str, Any]:
+        message = self.wait_for("resume")
+        if message is not None:
+            return message
+        self.end()
+        return {"resume": "error", "error": self.cause()}
+
+    def cause(self) -> str:
+        """Why the child ended by itself."""
+        if self.answer.exists():
+            error = json.loads(self.answer.read_text()).get("error")
+            if error:
+                return str(error)
+        if self.status is not None and self.status < 0:
+            return f"the process died of {signal.Signals(-self.status).name}"
+        return f"the process ended with status {self.status} and said nothing"
+
+    def end(self) -> None:
+        """SIGKILL the child unless it has ended by itself; reap it through the zygote."""
+        if self.status is not None:
+            return
+        if not self.ended():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.status = self.zygote.join(self.pid, 60)
+
+    def last_step(self) -> int | None:
+        steps = [m["step"] for m in _lines(self.log) if "step" in m and "resume" not in m]
+        return steps[-1] if steps else None
 
 
-def _end(zygote: Zygote, pid: int, answer: Path) -> str | None:
-    """SIGKILL the child unless it has ended by itself (it writes its answer file as it
-    ends); reap it through the zygote. The error it ended with, if any."""
-    if not answer.exists():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    zygote.join(pid, 60)
-    if answer.exists():
-        error = json.loads(answer.read_text()).get("error")
-        return str(error) if error else None
-    return None
+def _outcome(last_step: int, resumed: dict[str, Any]) -> dict[str, Any]:
+    ok = resumed["resume"] == "ok" and bool(resumed.get("consistent"))
+    outcome: dict[str, Any] = {"last_step": last_step, "ok": ok, "resume": resumed["resume"]}
+    if resumed["resume"] == "ok":
+        outcome.update(step=resumed["step"], consistent=resumed["consistent"])
+    if "error" in resumed:
+        outcome["error"] = resumed["error"]
+    outcome["lost"] = last_step - resumed["step"] if ok else last_step
+    return outcome
 
 
 def chain(zygote: Zygote, tool: Tool, *, kills: int, settings: dict[str, Any], scratch: Path,
@@ -123,64 +162,41 @@ def chain(zygote: Zygote, tool: Tool, *, kills: int, settings: dict[str, Any], s
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     folder, hashes = work / "checkpoints", work / "hashes.jsonl"
+    args = {"tool": tool.name, "folder": str(folder), "hashes": str(hashes), **settings}
+
+    def start_over() -> None:  # what a user would have to do: wipe and begin again
+        shutil.rmtree(folder, ignore_errors=True)
+        hashes.unlink(missing_ok=True)
+
     outcomes: list[dict[str, Any]] = []
     pending: int | None = None  # the last completed step of the child just killed
     lives = killed = 0
-    while killed < kills:
+    while killed < kills and lives < 3 * kills + 3:
         lives += 1
-        if lives > 3 * kills + 3:
-            break
-        log = work / f"life-{lives}.jsonl"
-        args = {"tool": tool.name, "folder": str(folder), "hashes": str(hashes),
-                "log": str(log), **settings}  # fmt: skip
-        pid, answer = zygote.start("kill-life", args)
-        resumed = _wait_for(log, ("resume",), answer) or {"resume": "error", "error": "no answer"}
-        ready = None
-        if resumed["resume"] != "error":
-            ready = _wait_for(log, ("ready",), answer)
+        life = _Life(zygote, args, work / f"life-{lives}.jsonl")
+        resumed = life.resume()
         if pending is not None:
-            ok = resumed["resume"] == "ok" and bool(resumed.get("consistent"))
-            outcome: dict[str, Any] = {"last_step": pending, "ok": ok, "resume": resumed["resume"]}
-            if resumed["resume"] == "ok":
-                outcome.update(step=resumed["step"], consistent=resumed["consistent"])
-            if "error" in resumed:
-                outcome["error"] = resumed["error"]
-            outcome["lost"] = pending - resumed["step"] if ok else pending
-            outcomes.append(outcome)
+            outcomes.append(_outcome(pending, resumed))
             pending = None
-            if not ok:  # a user would start over: wipe and begin a fresh chain
-                _end(zygote, pid, answer)
-                shutil.rmtree(folder, ignore_errors=True)
-                hashes.unlink(missing_ok=True)
+            if not outcomes[-1]["ok"]:
+                life.end()
+                start_over()
                 continue
+        ready = life.wait_for("ready") if resumed["resume"] != "error" else None
         if ready is None:
-            crashed = _end(zygote, pid, answer)
-            if crashed:  # the loop itself failed, not the resume: no point going on
-                return {"error": f"the training child failed: {crashed}"}
-            shutil.rmtree(folder, ignore_errors=True)
-            hashes.unlink(missing_ok=True)
+            life.end()
+            if resumed["resume"] != "error":  # the training loop itself failed
+                return {"error": f"the training child failed: {life.cause()}"}
+            start_over()
             continue
         time.sleep(rng.uniform(0, settings["window"]))
-        _end(zygote, pid, answer)
+        life.end()
         killed += 1
-        steps = [m["step"] for m in _lines(log) if "step" in m and "resume" not in m]
-        pending = steps[-1] if steps else int(resumed.get("step", 0))
+        pending = life.last_step() or int(resumed.get("step", 0))
     if pending is not None:  # the last kill's restart: resume and report only
-        log = work / "life-last.jsonl"
-        args = {"tool": tool.name, "folder": str(folder), "hashes": str(hashes),
-                "log": str(log), **settings}  # fmt: skip
-        pid, answer = zygote.start("kill-life", args)
-        resumed = _wait_for(log, ("resume",), answer) or {"resume": "error", "error": "no answer"}
-        with_step = resumed["resume"] == "ok"
-        ok = with_step and bool(resumed.get("consistent"))
-        outcome = {"last_step": pending, "ok": ok, "resume": resumed["resume"],
-                   "lost": pending - resumed["step"] if ok else pending}  # fmt: skip
-        if with_step:
-            outcome.update(step=resumed["step"], consistent=resumed["consistent"])
-        if "error" in resumed:
-            outcome["error"] = resumed["error"]
-        outcomes.append(outcome)
-        _end(zygote, pid, answer)
+        life = _Life(zygote, args, work / "life-last.jsonl")
+        outcomes.append(_outcome(pending, life.resume()))
+        life.end()
     shutil.rmtree(work, ignore_errors=True)
     recovered = [o for o in outcomes if o["ok"]]
     return {

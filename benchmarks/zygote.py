@@ -91,6 +91,7 @@ class Zygote:
             [sys.executable, "-m", "benchmarks", "--zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: select() must see every line not yet read
             cwd=ROOT,
             env=child_env(),
         )
@@ -123,6 +124,10 @@ class Zygote:
         self.process.stdin.flush()
         self.active = int(self._read(60)["pid"])
         return self.active, result
+
+    def child_ended(self) -> bool:
+        """Whether the zygote has reported the end of the running child (without reading it)."""
+        return bool(self.selector.select(0))
 
     def join(self, pid: int, timeout: float) -> int:
         """Wait for the child to end (killing it after ``timeout``); its exit status."""
