@@ -30,6 +30,7 @@ One writer per folder at a time is assumed (a second writer's leftovers would be
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import hashlib
 import itertools
@@ -234,7 +235,7 @@ class CheckpointStore:
             # Cleaning up, and creating the temporary folder, fail too on a full or failing disk.
             raise self._translate(exc, needed, len(files) + 2) from exc
         try:
-            entries = {name: self._write_file(folder, name, chunks) for name, _, chunks in files}
+            entries = self._write_files(folder, [(name, chunks) for name, _, chunks in files])
             manifest = Manifest(
                 step=step,
                 files=entries,
@@ -318,26 +319,54 @@ class CheckpointStore:
     def _write_file(
         self, folder: str, name: str, chunks: Iterable[bytes | memoryview]
     ) -> FileEntry:
-        """Write ``chunks`` to a new file and make it durable, hashing the same memory in
-        threads of their own meanwhile (the write and the hash overlap)."""
-        chunks = chunks if isinstance(chunks, Sequence) else list(chunks)
-        size = sum(len(c) if isinstance(c, bytes) else c.nbytes for c in chunks)
-        digests = _Digests(md5=self.md5, threaded=size >= THREAD_MIN_BYTES)
+        """Write ``chunks`` to a new file and make it durable; see :meth:`_write_files`."""
+        return self._write_files(folder, [(name, chunks)])[name]
+
+    def _write_files(
+        self, folder: str, files: Sequence[tuple[str, Iterable[bytes | memoryview]]]
+    ) -> dict[str, FileEntry]:
+        """Write each file from its chunks and make it durable; return their entries.
+
+        Three things overlap: the files are written one after the other; each file is made
+        durable (fsync) in a thread while the next one is written; and every file's hashes
+        are computed from the same memory in threads of their own that all start at once.
+        Only when every file is durable and hashed does this return.
+        """
+        started: list[tuple[str, Sequence[bytes | memoryview], int, _Digests]] = []
+        closer: _DurableCloser | None = None
         try:
-            for chunk in chunks:
-                digests.update(chunk)
-            handle: IO[bytes] = self.store.open_write(folder, name)
-            try:
+            for name, given in files:
+                chunks = given if isinstance(given, Sequence) else list(given)
+                size = sum(len(c) if isinstance(c, bytes) else c.nbytes for c in chunks)
+                digests = _Digests(md5=self.md5, threaded=size >= THREAD_MIN_BYTES)
+                started.append((name, chunks, size, digests))
                 for chunk in chunks:
-                    handle.write(chunk)
-            except BaseException:
-                handle.close()
-                raise
-            self.store.close_durably(handle)
-            sha256, md5 = digests.result()
+                    digests.update(chunk)
+            total = sum(size for _, _, size, _ in started)
+            closer = _DurableCloser(
+                self.store, threaded=len(files) > 1 and total >= THREAD_MIN_BYTES
+            )
+            for name, chunks, _, _ in started:
+                closer.check()  # an earlier file failed to become durable: stop here
+                handle: IO[bytes] = self.store.open_write(folder, name)
+                try:
+                    for chunk in chunks:
+                        handle.write(chunk)
+                except BaseException:
+                    handle.close()
+                    raise
+                closer.close(handle)
+            closer.finish()
+            entries = {}
+            for name, _, size, digests in started:
+                sha256, md5 = digests.result()
+                entries[name] = FileEntry(size=size, sha256=sha256, md5=md5)
+            return entries
         finally:
-            digests.cancel()
-        return FileEntry(size=size, sha256=sha256, md5=md5)
+            if closer is not None:
+                closer.abandon()  # after a failure: every handle closed before the cleanup
+            for *_, digests in started:
+                digests.cancel()
 
     def _check_space(self, needed: int, inodes: int) -> None:
         free = self.store.free_space()
@@ -873,6 +902,59 @@ class _Digests:
     def cancel(self) -> None:
         for thread in self._threads:
             thread.cancel()
+
+
+class _DurableCloser:
+    """Makes written files durable (:meth:`Store.close_durably`) one after the other in a
+    thread of its own, so that the next file is written meanwhile. The first failure is
+    raised in the caller (by :meth:`check` or :meth:`finish`); later files are only closed."""
+
+    def __init__(self, store: Store, *, threaded: bool) -> None:
+        self._store = store
+        self._queue: queue.SimpleQueue[IO[bytes] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if threaded:
+            thread = threading.Thread(target=self._run, name="nbresume-fsync", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # an interpreter in its shutdown: close in the caller
+                pass
+            else:
+                self._thread = thread
+
+    def _run(self) -> None:
+        while (handle := self._queue.get()) is not None:
+            if self._error is not None:
+                with contextlib.suppress(OSError):
+                    handle.close()
+                continue
+            try:
+                self._store.close_durably(handle)
+            except BaseException as exc:
+                self._error = exc
+
+    def close(self, handle: IO[bytes]) -> None:
+        if self._thread is None:
+            self._store.close_durably(handle)
+        else:
+            self._queue.put(handle)
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        """Wait until every file given is durable; raise the first failure."""
+        self.abandon()
+        self.check()
+
+    def abandon(self) -> None:
+        """Wait until every file given is closed, durable or not."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 class _ReadBackBuffers:
