@@ -39,7 +39,7 @@ MODES: dict[str, dict[str, Any]] = {
     # the mode whose output the documentation shows: under 10 minutes on 2 cores
     "quick": {
         "sizes": [50, 500], "reps": 3,
-        "loop": {**REFERENCE_LOOP, "every": 20, "segments": 3, "reps": 2},
+        "loop": {**REFERENCE_LOOP, "every": 20, "segments": 3, "reps": 4},
         "kills": 8, "kill": {"mb": 10, "every": 5, "window": 1.0},
         "resume": {"mb": 200, "steps": 2, "more": 2},
     },

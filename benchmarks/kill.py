@@ -48,7 +48,7 @@ def life(args: dict[str, Any]) -> dict[str, Any]:
     session = tool.open(Path(args["folder"]), model, optimizer)
     try:
         step = session.restore()
-    except Exception as exc:
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         say({"resume": "error", "error": f"{type(exc).__name__}: {exc}"[:300]})
         return {}
     if step is None:

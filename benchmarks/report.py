@@ -33,6 +33,11 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def _short(text: str, limit: int = 110) -> str:
+    text = " ".join(text.split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -185,7 +190,7 @@ def markdown(results: dict[str, Any]) -> str:
                 name, f"{item['recovered']}/{item['kills']} ({100 * item['recovery_share']:.0f} %)",
                 f"{item['mean_steps_lost']:.1f}" if item["recovered"] else "–",
                 str(item["max_steps_lost"]) if item["recovered"] else "–",
-                "; ".join(item["failures"]) or "–",
+                "; ".join(_short(f) for f in item["failures"]) or "–",
             ])  # fmt: skip
         out += _table(["Tool", "Recovered automatically", "Steps lost (mean)",
                        "Steps lost (max)", "Failures"], rows)  # fmt: skip

@@ -72,7 +72,7 @@ def _run_child(run: Work, args: dict[str, Any]) -> None:
         os.dup2(devnull, 2)  # libraries' chatter; a failure comes back in the answer file
         try:
             result = run(args)
-        except Exception as exc:
+        except BaseException as exc:  # DCP's CheckpointException is not an Exception
             result = {"error": f"{type(exc).__name__}: {exc}"[:400],
                       "trace": traceback.format_exc()[-2000:]}  # fmt: skip
             code = 1
