@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,19 @@ import pytest
 # port, so "internet" is deterministically off unless a test brings its own loopback server.
 os.environ.setdefault("NBRESUME_PROBE_HOST", "127.0.0.1")
 os.environ.setdefault("NBRESUME_PROBE_PORT", "9")
+
+
+@pytest.fixture(autouse=True)
+def _drive_sign_in_stays_in_its_test() -> Iterator[None]:
+    """Signing in to Drive in-process (``google.colab.auth.authenticate_user()``) points
+    ``GOOGLE_APPLICATION_CREDENTIALS`` at that test's simulated cloud; a later test, or a
+    kernel it starts, would present that token to another cloud and be refused."""
+    before = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    yield
+    if before is None:
+        os.environ.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    else:
+        os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = before
 
 
 def spec_manifest(

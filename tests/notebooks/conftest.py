@@ -43,8 +43,13 @@ STEPS = 160
 EVERY = 20
 
 #: What makes a platform recognise itself (the one list the detectors are checked
-#: against), plus the marker of a parent Jupyter.
-PLATFORM_VARIABLES = (*DETECTION_VARIABLES, *("JPY_PARENT_PID",))
+#: against), plus the marker of a parent Jupyter and Drive credentials.
+PLATFORM_VARIABLES = (
+    *DETECTION_VARIABLES,
+    "JPY_PARENT_PID",
+    # Left by an earlier test's Drive sign-in: it points at another cloud's credentials.
+    "GOOGLE_APPLICATION_CREDENTIALS",
+)
 
 _SHA = re.compile(r"^weights sha256: ([0-9a-f]{64})$", re.M)
 _START = re.compile(r"^training from step (\d+) of (\d+)$", re.M)
