@@ -24,8 +24,10 @@ thread could interleave with the training loop's own and deadlock.
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,8 +111,12 @@ class Group:
         return _rebuild(json.loads(payload))
 
 
-#: The group of the last lookup: (the default group it was made for, nbresume's group).
-_CACHE: list[tuple[Any, Group]] = []
+#: The group of the last lookup: (the default group it was made for, nbresume's group). The
+#: default group is held weakly, and the cache is emptied at exit: a process group that
+#: outlives ``destroy_process_group()`` into interpreter shutdown can abort the process there
+#: (gloo's threads: "terminate called without an active exception").
+_CACHE: list[tuple[weakref.ref[Any], Group]] = []
+atexit.register(_CACHE.clear)
 
 
 def current() -> Group | None:
@@ -126,13 +132,13 @@ def current() -> Group | None:
         return None
     world = dist.group.WORLD
     for made_for, group in _CACHE:
-        if made_for is world:
+        if made_for() is world:
             return group
     backend = str(dist.get_backend()).lower()
     # "gloo", "mpi" or a mixed "cpu:gloo,cuda:nccl" carry CPU tensors; NCCL alone does not.
     own = None if ("gloo" in backend or "mpi" in backend) else dist.new_group(backend="gloo")
     group = Group(own, int(dist.get_rank()), world_size)
-    _CACHE[:] = [(world, group)]
+    _CACHE[:] = [(weakref.ref(world), group)]
     return group
 
 
