@@ -198,6 +198,9 @@ def train(args: argparse.Namespace) -> int:
         with open(f"{args.dump}.{rank}.json", "w") as handle:
             json.dump({"step": ckpt.step, **hashes(module, optimizer)}, handle)
     say(rank, f"final {hashes(module, optimizer)['weights']}")
+    # Both ranks reach the teardown together: a rank that closes its connections while the
+    # other still uses them can abort gloo's threads at exit.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
