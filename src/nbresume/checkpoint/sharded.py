@@ -50,7 +50,6 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Union
 
 from nbresume.checkpoint import distributed, tensorfile
@@ -68,8 +67,6 @@ from nbresume.checkpoint.store import (
     CheckpointStore,
     LoadedCheckpoint,
     _check_file,
-    _finite_metrics,
-    _writer_tag,
 )
 from nbresume.errors import (
     CheckpointError,
@@ -406,7 +403,7 @@ def _make_reader(
                 raise
             return plan
 
-        def _read(self, file_name: str) -> bytearray:
+        def _read(self, file_name: str) -> memoryview:
             entry = manifest.files.get(file_name)
             where = store.store.child(name, file_name)
             if entry is None:
@@ -415,12 +412,12 @@ def _make_reader(
                 )
             return _read_verified(store, name, file_name, entry)
 
-        def _parse(self, file_name: str, buffer: bytearray) -> dict[str, Any]:
+        def _parse(self, file_name: str, buffer: memoryview) -> dict[str, Any]:
             where = store.store.child(name, file_name)
             if file_name.endswith(".safetensors"):
                 return tensorfile.decode(buffer, where=where, framework="torch")
             try:
-                values = json.loads(buffer.decode("utf-8"))
+                values = json.loads(str(buffer, "utf-8"))
             except (UnicodeDecodeError, ValueError, RecursionError):
                 raise CorruptCheckpointError("not valid JSON", where=where) from None
             if not isinstance(values, dict):
@@ -605,18 +602,9 @@ def _decode_metadata(data: bytes, *, where: str, manifest: Manifest) -> Metadata
 
 def _read_verified(
     store: CheckpointStore, name: str, file_name: str, entry: FileEntry
-) -> bytearray:
-    """A file's bytes, once, after its size and hashes matched the manifest."""
-    where = store.store.child(name, file_name)
-    try:
-        buffer = store.store.read_bytes(name, file_name, limit=entry.size)
-    except FileNotFoundError:
-        raise CorruptCheckpointError("the file is missing", where=where) from None
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
-    md5 = hashlib.md5(buffer, usedforsecurity=False) if entry.md5 else None
-    _check_file(where, entry, len(buffer), hashlib.sha256(buffer).hexdigest(), md5)
-    return buffer
+) -> memoryview:
+    """A file's bytes, read once, after its size and hashes matched the manifest."""
+    return store._read_verified(name, {file_name: entry})[file_name]
 
 
 # -- save ----------------------------------------------------------------------------------
@@ -712,7 +700,6 @@ def save_sharded(
                     store,
                     step,
                     folder=folder,
-                    final=final,
                     reports=reports,
                     metrics=metrics,
                     on_committed=on_committed,
@@ -761,7 +748,6 @@ def _commit(
     step: int,
     *,
     folder: str,
-    final: str,
     reports: list[dict[str, Any]],
     metrics: Mapping[str, float] | None,
     on_committed: Callable[[CheckpointInfo], None] | None,
@@ -771,43 +757,9 @@ def _commit(
     for report in reports:
         for file_name, entry in report["files"].items():
             entries[file_name] = FileEntry(entry["size"], entry["sha256"], entry.get("md5"))
-    manifest = Manifest(
-        step=step,
-        files=entries,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        metrics=_finite_metrics(metrics or {}),
-        writer=_writer_tag(),
+    _, manifest_bytes = store._commit(
+        step, folder, entries, metrics=metrics, on_committed=on_committed
     )
-    manifest_bytes = manifest.to_bytes()
-    try:
-        store._write_file(folder, MANIFEST_NAME, [manifest_bytes])
-        store.store.commit(folder, final)
-    except OSError as exc:
-        store.store.discard(folder)
-        raise store._translate(exc, manifest.payload_bytes, len(entries) + 2) from exc
-    except BaseException:
-        store.store.discard(folder)
-        raise
-    if on_committed is not None:
-        on_committed(CheckpointInfo(step, final, store.store.child(final), manifest))
-    result = store._verify_folder(final, expected_manifest=manifest_bytes)
-    if not result.ok:
-        store.store.delete(final)
-        raise CorruptCheckpointError(
-            f"checkpoint of step {step} did not verify after writing: {result.problem}",
-            where=store.store.child(final),
-            fix="the storage returned different bytes than were written; check the disk or "
-            "mount, then save again",
-        )
-    try:
-        store.prune(verify_kept=False)
-    except OSError as exc:
-        warnings.warn(
-            f"nbresume: step {step} is saved, but retention could not delete an older "
-            f"checkpoint ({exc}); it is kept for now and retried on the next save",
-            RuntimeWarning,
-            stacklevel=3,
-        )
     return manifest_bytes
 
 
@@ -949,7 +901,7 @@ def _load_folder(
                 loaded.tensors[file_stem] = tensorfile.decode(buffer, where=file_where)
             else:
                 try:
-                    loaded.data[file_stem] = json.loads(buffer.decode("utf-8"))
+                    loaded.data[file_stem] = json.loads(str(buffer, "utf-8"))
                 except (UnicodeDecodeError, ValueError, RecursionError):
                     raise CorruptCheckpointError("not valid JSON", where=file_where) from None
     except CorruptCheckpointError as exc:

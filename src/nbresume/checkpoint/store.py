@@ -239,30 +239,64 @@ class CheckpointStore:
             raise self._translate(exc, needed, len(files) + 2) from exc
         try:
             entries = self._write_files(folder, [(name, chunks) for name, _, chunks in files])
-            manifest = Manifest(
-                step=step,
-                files=entries,
-                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                metrics=_finite_metrics(metrics or {}),
-                writer=_writer_tag(),
-            )
-            manifest_bytes = manifest.to_bytes()
-            self._write_file(folder, MANIFEST_NAME, [manifest_bytes])
-            self.store.commit(folder, final)
         except OSError as exc:
             self.store.discard(folder)
             raise self._translate(exc, needed, len(files) + 2) from exc
         except BaseException:
             self.store.discard(folder)
             raise
+        info, _ = self._commit(
+            step,
+            folder,
+            entries,
+            metrics=metrics,
+            on_committed=on_committed,
+            written={name: chunks for name, _, chunks in files},
+        )
+        return info
+
+    def _commit(
+        self,
+        step: int,
+        folder: str,
+        entries: Mapping[str, FileEntry],
+        *,
+        metrics: Mapping[str, float] | None,
+        on_committed: Callable[[CheckpointInfo], None] | None,
+        written: Mapping[str, Sequence[bytes | memoryview]] | None = None,
+    ) -> tuple[CheckpointInfo, bytes]:
+        """Write the manifest of ``entries`` (the files already durable in the temporary
+        ``folder``), commit the folder as the checkpoint of ``step``, verify it, then apply
+        retention. Returns the checkpoint and its manifest's bytes.
+
+        ``written`` holds the bytes of files still in memory: those are compared with what
+        the store reads back instead of being hashed again. A failed commit discards
+        ``folder``; a checkpoint that does not verify is deleted.
+        """
+        final = step_dirname(step)
+        manifest = Manifest(
+            step=step,
+            files=dict(entries),
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            metrics=_finite_metrics(metrics or {}),
+            writer=_writer_tag(),
+        )
+        manifest_bytes = manifest.to_bytes()
+        try:
+            self._write_file(folder, MANIFEST_NAME, [manifest_bytes])
+            self.store.commit(folder, final)
+        except OSError as exc:
+            self.store.discard(folder)
+            raise self._translate(
+                exc, manifest.payload_bytes + SPACE_SLACK, len(entries) + 2
+            ) from exc
+        except BaseException:
+            self.store.discard(folder)
+            raise
         info = CheckpointInfo(step, final, self.store.child(final), manifest)
         if on_committed is not None:
             on_committed(info)
-        result = self._verify_folder(
-            final,
-            expected_manifest=manifest_bytes,
-            written={name: chunks for name, _, chunks in files},
-        )
+        result = self._verify_folder(final, expected_manifest=manifest_bytes, written=written)
         if not result.ok:
             # Committed but not what we wrote: never leave a known-bad checkpoint to be found.
             self.store.delete(final)
@@ -281,9 +315,9 @@ class CheckpointStore:
                 f"nbresume: step {step} is saved, but retention could not delete an older "
                 f"checkpoint ({exc}); it is kept for now and retried on the next save",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return info
+        return info, manifest_bytes
 
     def _encode(
         self, tensors: Mapping[str, Mapping[str, Any]], data: Mapping[str, Any]
