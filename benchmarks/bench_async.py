@@ -27,7 +27,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -42,6 +41,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+if not __package__:  # run as a script (python benchmarks/NAME.py): the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._common import file_system, machine
 
 HERE = Path(__file__).resolve().parent
 MB = 1_000_000
@@ -157,32 +160,6 @@ def run_child(mode: str, mb: float, saves: int, folder: Path) -> dict[str, Any]:
 # -- the parent: children, tables, results file ---------------------------------------------------
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
-        for line in handle:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    memory = ""
-    with contextlib.suppress(OSError), open("/proc/meminfo") as handle:
-        kb = int(handle.readline().split()[1])
-        memory = f", {kb / 1024**2:.0f} GiB RAM"
-    return (
-        f"{cpu}, {os.cpu_count()} cores{memory}, CPU only, {platform.system()} {platform.release()}"
-    )
-
-
-def file_system(path: Path) -> str:
-    best, kind = "", "unknown"
-    with contextlib.suppress(OSError), open("/proc/mounts") as handle:
-        for line in handle:
-            device, mount, fs_type = line.split()[:3]
-            if str(path).startswith(mount) and len(mount) > len(best):
-                best, kind = mount, f"{fs_type} on {device}"
-    return kind
-
-
 def software() -> str:
     import torch
 
@@ -244,7 +221,7 @@ def report(
         "# Async save benchmark",
         "",
         f"- Command: `{command}`",
-        f"- Machine: {machine()}",
+        f"- Machine: {machine()}, CPU only",
         f"- Scratch folder: {file_system(scratch)}",
         f"- Software: {software()}",
         f"- Date: {datetime.now(timezone.utc).date().isoformat()}",

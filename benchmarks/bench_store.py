@@ -32,7 +32,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import hashlib
 import json
@@ -48,6 +47,10 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+if not __package__:  # run as a script (python benchmarks/NAME.py): the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._common import file_system, machine
 
 HERE = Path(__file__).resolve().parent
 SAVE_METHODS = ("nbresume", "torch.save", "safetensors", "torch.save + sha256")
@@ -291,30 +294,6 @@ def peak_in_child(kind: str, method: str, folder: Path, mb: float) -> dict[str, 
 
 
 # -- the run ------------------------------------------------------------------------------
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
-        for line in handle:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    memory = ""
-    with contextlib.suppress(OSError), open("/proc/meminfo") as handle:
-        kb = int(handle.readline().split()[1])
-        memory = f", {kb / 1024**2:.0f} GiB RAM"
-    return f"{cpu}, {os.cpu_count()} cores{memory}, {platform.system()} {platform.release()}"
-
-
-def file_system(path: Path) -> str:
-    best, kind = "", "unknown"
-    with contextlib.suppress(OSError), open("/proc/mounts") as handle:
-        for line in handle:
-            device, mount, fs_type = line.split()[:3]
-            if str(path).startswith(mount) and len(mount) > len(best):
-                best, kind = mount, f"{fs_type} on {device}"
-    return kind
 
 
 def timed(run: Callable[[], Any]) -> float:
