@@ -275,14 +275,16 @@ def test_keep_best_max_with_a_dict_of_metrics(tmp_path: Path) -> None:
 
 
 def test_plain_values_are_saved_and_restored(tmp_path: Path) -> None:
-    ckpt = Checkpointer(tmp_path / "run", best=0.0, **QUIET)
+    ckpt = Checkpointer(tmp_path / "run", **QUIET)
+    ckpt["best"] = 0.0
     assert ckpt["best"] == 0.0
     ckpt["best"] = 0.5
     ckpt["history"] = [(1, 0.25), (2, float("inf"))]
     ckpt.save(step=2)
 
-    again = Checkpointer(tmp_path / "run", best=0.0, **QUIET)
-    assert again["best"] == 0.0, "the constructor's value until restore()"
+    again = Checkpointer(tmp_path / "run", **QUIET)
+    again["best"] = 0.0
+    assert again["best"] == 0.0, "the value set until restore()"
     assert again.restore() == 2
     assert again["best"] == 0.5
     assert again["history"] == [(1, 0.25), (2, float("inf"))]
@@ -318,8 +320,9 @@ def test_names_that_cannot_name_a_file_are_refused(tmp_path: Path) -> None:
 
 
 def test_a_value_that_cannot_be_stored_is_refused_when_given(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "run", **QUIET)
     with pytest.raises(CheckpointError, match="hook"):
-        Checkpointer(tmp_path / "run", hook=lambda: None, **QUIET)
+        ckpt["hook"] = lambda: None
 
 
 # -- async saves ------------------------------------------------------------------------------
@@ -392,7 +395,8 @@ def test_the_context_manager_waits_for_the_save_in_flight(tmp_path: Path) -> Non
 def test_a_failed_background_save_is_raised_in_the_training_thread(tmp_path: Path) -> None:
     target = tmp_path / "run"
     target.write_text("a file where the folder should be")
-    ckpt = Checkpointer(target, every=None, deadline=None, x=1)
+    ckpt = Checkpointer(target, every=None, deadline=None)
+    ckpt["x"] = 1
     assert ckpt.save(step=1) is None
     with pytest.raises(CheckpointError, match="background save failed"):
         ckpt.wait()

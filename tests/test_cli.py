@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -153,16 +157,20 @@ def test_verify_fails_on_any_bad_checkpoint_naming_the_file(
     assert lines[-1] == "OK 2/3, errors 1"
 
 
-@pytest.mark.parametrize("where", ["empty", "missing"])
 def test_verify_with_nothing_to_verify_fails(
-    tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    folder = tmp_path / where
-    if where == "empty":
-        folder.mkdir()
-    code, out, _ = run(["verify", str(folder)], capsys)
+    code, out, _ = run(["verify", str(tmp_path)], capsys)
     assert code == 1
     assert "nothing verified" in out
+
+
+def test_verify_of_a_missing_folder_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(["verify", str(tmp_path / "missing")], capsys)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"nbresume verify: error: {tmp_path / 'missing'}: no such folder.")
 
 
 # -- prune -------------------------------------------------------------------------------------
@@ -189,6 +197,96 @@ def test_prune_does_not_count_a_corrupt_newest_as_kept(
     assert code == 0
     # 200 is the newest good one; 300 is left for inspection; only 100 goes.
     assert sorted(os.listdir(three)) == [step_dirname(200), step_dirname(300)]
+
+
+# -- status: the last verified checkpoint -------------------------------------------------------
+
+
+def forge_history(folder: Path, forge: Callable[..., Path], minutes_ago: list[int]) -> None:
+    """Checkpoints of steps 100, 200, ... written that many minutes ago (oldest first)."""
+    now = datetime.now(timezone.utc)
+    for index, minutes in enumerate(minutes_ago):
+        step = 100 * (index + 1)
+        step_folder = folder / step_dirname(step)
+        step_folder.mkdir(parents=True)
+        (step_folder / "state.json").write_text(f'{{"step": {step}}}')
+        created = (now - timedelta(minutes=minutes)).isoformat(timespec="seconds")
+        forge(step_folder, created=created)
+
+
+def test_status_shows_the_last_verified_checkpoint(
+    three: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(["status", str(three)], capsys)
+    assert code == 0, out
+    [line] = [line for line in out.splitlines() if line.startswith("last verified checkpoint")]
+    assert re.fullmatch(r"last verified checkpoint: step 300, (just now|\d+ s ago)", line), line
+    assert "WARNING" not in out
+    assert "note:" not in out
+
+
+def test_status_names_the_newest_checkpoint_that_verifies(
+    three: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corrupt(three, 300)
+    code, out, _ = run(["status", str(three)], capsys)
+    assert code == 1  # the newest does not verify
+    assert "last verified checkpoint: step 200, " in out
+
+
+def test_status_notes_a_folder_that_stopped_getting_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], forge_manifest: Callable[..., Path]
+) -> None:
+    # Every 10 minutes until 2 h 40 min ago, and no run record: the training may have ended.
+    forge_history(tmp_path / "ckpt", forge_manifest, [180, 170, 160])
+    code, out, _ = run(["status", str(tmp_path / "ckpt")], capsys)
+    assert code == 0, out
+    assert "last verified checkpoint: step 300, 2 h 40 min ago" in out
+    assert (
+        "note: no verified checkpoint for 2 h 40 min, more than twice the usual 10 min between "
+        "two: if the training still runs, it is not saving"
+    ) in out
+
+
+def test_status_warns_when_a_running_job_has_not_saved_for_twice_the_usual_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], forge_manifest: Callable[..., Path]
+) -> None:
+    from nbresume.runner import RunState, boot_id, process_start, state_path
+
+    # Every 10 minutes until 25 minutes ago, while the job (a `sleep` here, recorded as
+    # `nbresume run` records a job) still runs: more than twice 10 minutes.
+    ckpt = tmp_path / "ckpt"
+    forge_history(ckpt, forge_manifest, [55, 45, 35, 25])
+    job = subprocess.Popen(["sleep", "120"])
+    try:
+        started = time.time() - 3600
+        state = RunState(
+            command=["python", "train.py"],
+            log=str(ckpt / "nbresume-run.log"),
+            cwd=str(tmp_path),
+            dir=str(ckpt),
+            boot_id=boot_id(),
+            started=started,
+            status="running",
+            supervisor_pid=job.pid,
+            supervisor_start=process_start(job.pid),
+            pid=job.pid,
+            pid_start=process_start(job.pid),
+            pgid=job.pid,
+            attempt=1,
+            attempt_started=started,
+        )
+        state.write(state_path(Path(state.log)))
+        code, out, _ = run(["status", str(ckpt)], capsys)
+    finally:
+        job.kill()
+        job.wait()
+    assert code == 0, out
+    assert "last verified checkpoint: step 400, 25 min ago" in out
+    assert (
+        "WARNING: no verified checkpoint for 25 min, more than twice the usual 10 min between "
+        "two: a crash now loses all that training"
+    ) in out
 
 
 # -- errors ------------------------------------------------------------------------------------

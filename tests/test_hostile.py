@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from nbresume import CheckpointStore, CorruptCheckpointError, NoCheckpointError
 from nbresume.checkpoint import tensorfile
-from nbresume.checkpoint.format import Manifest, parse_manifest, parse_step_dirname, step_dirname
+from nbresume.checkpoint.format import Manifest, parse_manifest, step_dirname
 from nbresume.errors import CheckpointError
 
 ForgeManifest = Callable[..., Path]
@@ -264,12 +264,13 @@ def test_a_symlinked_manifest_is_not_followed(
     moved = tmp_path / "manifest-elsewhere.json"
     real.rename(moved)
     real.symlink_to(moved)
-    # A link is not a manifest: step 2 is not a committed checkpoint (no warning needed), and
-    # verify reports it among the folders that never committed, never as verified.
-    assert_falls_back(good_store, "manifest.json", warns=False)
+    # A link is never followed: step 2 is a broken checkpoint, passed over with a warning
+    # naming the manifest, and reported by verify as failed, never as verified.
+    assert_falls_back(good_store, "manifest.json")
     report = good_store.verify()
-    assert 2 not in [r.step for r in report.results]
-    assert [parse_step_dirname(n) for n in report.uncommitted] == [2]
+    assert [(r.step, r.ok) for r in report.results] == [(1, True), (2, False)]
+    assert "manifest.json" in report.results[1].problem
+    assert not report.uncommitted
 
 
 @pytest.mark.timeout(60)

@@ -130,5 +130,7 @@ def test_one_changed_byte_anywhere_in_a_large_file_is_caught_by_verify_and_load(
             loaded = store.load()
         assert loaded.step == 1
         assert torch.equal(loaded.tensors["model"]["big"], big_state(1, mib=1)["big"])
-        with pytest.raises(NoCheckpointError, match="sha256 mismatch"):
+        # A damaged header is refused before the tensor bytes are read (memory stays bounded
+        # by what is valid); any other byte by its hash.
+        with pytest.raises(NoCheckpointError, match=r"sha256 mismatch|not a valid safetensors"):
             store.load(2)

@@ -7,11 +7,14 @@ verify), 2 usage error. ``nbresume run`` exits with its job's status.
 from __future__ import annotations
 
 import argparse
+import errno
+import itertools
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from nbresume.errors import NbresumeError, UsageError
+from nbresume.errors import NbresumeError, StorageError, UsageError
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -19,14 +22,25 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
     store = CheckpointStore(args.dir, keep=None)
     infos = store.list()
-    if not infos:
+    # A folder whose manifest cannot be read (not a regular file, or not a manifest) is a
+    # broken checkpoint: listed too, so that it is never mistaken for an absent one.
+    broken = store.broken()
+    if not infos and not broken:
         print(f"no committed checkpoints in {store.location}")
         return 0
-    print(f"{'step':>12}  {'size':>9}  {'created':<25}  metrics")
+    if infos:
+        print(f"{'step':>12}  {'size':>9}  {'created':<25}  metrics")
     for info in infos:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(info.metrics.items()))
         print(f"{info.step:>12}  {format_bytes(info.size):>9}  {info.created:<25}  {metrics}")
+    for result in broken:
+        print(f"BROKEN step {result.step}: {result.problem}")
     print(f"{len(infos)} checkpoint(s) in {store.location} (not re-hashed: run `nbresume verify`)")
+    if broken:
+        print(
+            f"{len(broken)} broken checkpoint(s): restore passes over them; `nbresume verify` "
+            "reports them"
+        )
     return 0
 
 
@@ -54,7 +68,12 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         metric, _, mode = args.best.partition(":")
         keep_best = (metric, mode or "min", args.best_count or args.keep)
     store = CheckpointStore(args.dir, keep=args.keep, keep_best=keep_best)
-    deleted = store.prune()
+    # Deleting beside a run that saves there would race with its own retention: prune holds
+    # the folder's writer lease meanwhile, and a live writer's lease refuses it by name.
+    from nbresume.checkpoint.lease import holding
+
+    with holding(store.store, purpose="nbresume prune"):
+        deleted = store.prune()
     left = [i.step for i in store.list()]
     print(f"deleted {len(deleted)} checkpoint(s): {deleted or 'none'}; kept steps {left}")
     return 0
@@ -111,7 +130,80 @@ def _cmd_status(args: argparse.Namespace) -> int:
     except UsageError as exc:
         return _usage(args, str(exc))
     print("\n".join(lines))
+    for line in _last_verified_lines(args.target):
+        print(line)
     return code
+
+
+#: Below this, a pause between checkpoints is never worth a warning in ``nbresume status``.
+_STATUS_QUIET_FLOOR_S = 60.0
+
+
+def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
+    """``last verified checkpoint: step N, X ago``, and a warning when that is more than twice
+    the usual time between two checkpoints while the run may still be training.
+
+    From outside the training process only the folder is known: the time since the newest
+    checkpoint that verifies, not the steps trained since (the panel and the status line of
+    the training process show both).
+    """
+    import time
+
+    from nbresume.checkpoint.store import CheckpointStore
+    from nbresume.platforms.base import format_duration
+    from nbresume.runner import find_state
+
+    now = time.time() if now is None else now
+    location = target
+    running: bool | None = None  # None: no run record, so nobody knows
+    folder = _local_path(target)
+    if folder is not None and folder.is_dir():
+        recorded = find_state(folder)
+        if recorded is not None:
+            state, _ = recorded
+            running = state.status != "exited"
+            location = state.dir or target
+    try:
+        store = CheckpointStore(location, keep=None)
+        infos = store.list()
+        verified = next((i for i in reversed(infos) if store.verify(i.step).ok), None)
+    except (NbresumeError, OSError):
+        return []  # the checkpoint line above already says what is wrong with the folder
+    if verified is None:
+        if not infos:
+            return []
+        return ["last verified checkpoint: none: no checkpoint in the folder verifies"]
+    created = _unix_time(verified.created)
+    if created is None:
+        return [f"last verified checkpoint: step {verified.step:,}"]
+    quiet = max(0.0, now - created)
+    lines = [f"last verified checkpoint: step {verified.step:,}, {format_duration(quiet)} ago"]
+    stamps = sorted(t for t in (_unix_time(i.created) for i in infos[-6:]) if t is not None)
+    gaps = sorted(b - a for a, b in itertools.pairwise(stamps) if b > a)
+    if gaps and running is not False:
+        usual = gaps[len(gaps) // 2]
+        if quiet > max(2 * usual, _STATUS_QUIET_FLOOR_S):
+            gap = (
+                f"no verified checkpoint for {format_duration(quiet)}, more than twice the "
+                f"usual {format_duration(usual)} between two"
+            )
+            if running:
+                lines.append(
+                    f"WARNING: {gap}: a crash now loses all that training; look at the "
+                    "training's log for failed saves"
+                )
+            else:  # no run record: the training may have ended long ago
+                lines.append(f"note: {gap}: if the training still runs, it is not saving")
+    return lines
+
+
+def _unix_time(created: str) -> float | None:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    except (TypeError, ValueError):
+        return None
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -127,6 +219,11 @@ def _cmd_pull(args: argparse.Namespace) -> int:
             return _usage(args, str(exc))
     if args.dst is None:
         return _usage(args, "a destination folder is needed: nbresume pull SRC DST")
+    if _local_path(args.src) is None and not args.src.lower().startswith(("ssh://", "sftp://")):
+        from nbresume.checkpoint.storage import open_store
+
+        # Reach the store (credentials, endpoint) before anything is printed or created.
+        open_store(args.src).list_folders()
     try:
         return pull(args.src, args.dst, identity=args.identity, rate=args.limit_rate)
     except UsageError as exc:
@@ -135,7 +232,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 def _usage(args: argparse.Namespace, message: str) -> int:
     """A usage error found after parsing: reported as argparse does, exit status 2."""
-    print(f"nbresume {args.command}: error: {message}", file=sys.stderr)
+    print(f"nbresume {_name(args)}: error: {message}", file=sys.stderr)
     return 2
 
 
@@ -515,15 +612,211 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "best", None) and args.best.partition(":")[2] not in ("", "min", "max"):
         parser.error(f"--best {args.best}: the mode after ':' must be min or max")
+    location: str | None = None
     try:
+        location = _folder_argument(args)
+        if location is not None:
+            _check_folder(_name(args), location)
         status: int = args.func(args)
     except NbresumeError as exc:
-        print(f"nbresume {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return _error(args, exc)
     except KeyboardInterrupt:
-        print(f"nbresume {args.command}: interrupted", file=sys.stderr)
+        print(f"nbresume {_name(args)}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        return _error(args, _os_problem(_name(args), location, exc))
+    except Exception as exc:
+        problem = _client_problem(location, exc)
+        if problem is None:
+            raise  # a bug in nbresume: the traceback is what a report needs
+        return _error(args, problem)
     return status
+
+
+# -- problems in the user's world: one line each, with the fix --------------------------------
+
+#: The command's argument that names a checkpoint folder.
+_FOLDER_ARGUMENT = {"ls": "dir", "verify": "dir", "prune": "dir", "status": "target", "pull": "src"}
+
+#: The package behind an fsspec URL scheme, and what to install for it.
+_BACKEND_PACKAGES = {
+    "s3": ("s3fs", 'pip install "nbresume[s3]"'),
+    "s3a": ("s3fs", 'pip install "nbresume[s3]"'),
+    "gs": ("gcsfs", "pip install gcsfs"),
+    "gcs": ("gcsfs", "pip install gcsfs"),
+    "az": ("adlfs", "pip install adlfs"),
+    "abfs": ("adlfs", "pip install adlfs"),
+    "abfss": ("adlfs", "pip install adlfs"),
+    "sftp": ("paramiko", 'pip install "nbresume[ssh]"'),
+    "ssh": ("paramiko", 'pip install "nbresume[ssh]"'),
+}
+
+
+def _name(args: argparse.Namespace) -> str:
+    """The command's name (``args.command`` is ``run``'s own command line for ``run``)."""
+    name: str = args.func.__name__.removeprefix("_cmd_")
+    return name
+
+
+def _error(args: argparse.Namespace, exc: NbresumeError) -> int:
+    """The error as one line on stderr; exit status 1."""
+    text = " ".join(str(exc).split())
+    print(f"nbresume {_name(args)}: error: {text}", file=sys.stderr)
+    return 1
+
+
+def _folder_argument(args: argparse.Namespace) -> str | None:
+    """The checkpoint folder the command works on (not a Kaggle notebook, not ssh://, which
+    ``pull`` reaches and checks itself)."""
+    name = _FOLDER_ARGUMENT.get(_name(args))
+    location = getattr(args, name, None) if name else None
+    if not isinstance(location, str):
+        return None
+    if _name(args) in ("status", "pull"):
+        from nbresume.pull import is_kaggle_ref
+
+        if is_kaggle_ref(location) or location.lower().startswith(("ssh://", "sftp://")):
+            return None
+    return location
+
+
+def _local_path(location: str) -> Path | None:
+    """The local folder a location names (``None`` for a URL of another file system)."""
+    scheme, sep, rest = location.partition("://")
+    if not sep:
+        return Path(location).expanduser()
+    if scheme.lower() in ("file", "local"):
+        return Path(rest).expanduser()
+    return None
+
+
+def _check_folder(command: str, location: str) -> None:
+    """Refuse, before any work, a folder that is missing or a file, and a URL whose scheme
+    fsspec does not know or whose package is not installed."""
+    folder = _local_path(location)
+    if folder is None:
+        for part in location.split("::"):  # fsspec chains, as in simplecache::s3://...
+            if "://" in part:
+                _check_scheme(part.split("://", 1)[0].lower(), location)
+        return
+    if not folder.exists():
+        wanted = (
+            "the folder of the run (where `nbresume run` keeps its log) or its checkpoints"
+            if command == "status"
+            else "the folder a training saved its checkpoints into (its dir=)"
+        )
+        raise UsageError("no such folder", where=location, fix=f"check the path: give {wanted}")
+    if not folder.is_dir():
+        raise UsageError(
+            "this is a file, not a folder",
+            where=location,
+            fix="give the checkpoint folder itself (the dir= of the training), not a file",
+        )
+
+
+def _check_scheme(scheme: str, location: str) -> None:
+    from fsspec.registry import get_filesystem_class
+
+    try:
+        get_filesystem_class(scheme)
+    except ValueError:  # fsspec: "Protocol not known"
+        raise UsageError(
+            f"unknown URL scheme {scheme}://",
+            where=location,
+            fix="give a local folder, or a URL of a file system fsspec knows, such as "
+            "s3://bucket/path or gs://bucket/path",
+        ) from None
+    except ImportError as exc:  # fsspec: the package of that file system is not installed
+        package, install = _BACKEND_PACKAGES.get(scheme, ("", ""))
+        if package:
+            raise UsageError(
+                f"{scheme}:// URLs need the package {package}, which is not installed",
+                where=location,
+                fix=install,
+            ) from None
+        raise UsageError(
+            f"{scheme}:// URLs need a package that is not installed: {exc}",
+            where=location,
+            fix="install the package fsspec names for it",
+        ) from None
+
+
+def _os_problem(command: str, location: str | None, exc: OSError) -> StorageError:
+    """What the operating system (or a file system package) refused, in the user's words."""
+    where = str(exc.filename) if exc.filename is not None else (location or "")
+    code = exc.errno
+    if code in (errno.EACCES, errno.EPERM):
+        needs = "write" if command in ("prune", "pull") else "read"
+        return StorageError(
+            "permission denied",
+            where=where,
+            fix=f"`nbresume {command}` needs {needs} access there: run it as the user that "
+            "owns the folder, or change the folder's permissions",
+        )
+    if code == errno.EROFS:
+        return StorageError(
+            "the file system is read-only",
+            where=where,
+            fix=f"run `nbresume {command}` where the folder is writable (on the machine of the "
+            "training), or copy it first with `nbresume pull`",
+        )
+    if code == errno.ENOENT and command == "prune":
+        return StorageError(
+            "a checkpoint disappeared while it was being pruned: another process deleted it "
+            "(a training that still runs prunes with its own keep=)",
+            where=where,
+            fix="run `nbresume prune` again, or let the training's keep= do the pruning",
+        )
+    if code == errno.ENOENT:
+        return StorageError(
+            "it disappeared while nbresume read it: another process deleted it",
+            where=where,
+            fix=f"run `nbresume {command}` again",
+        )
+    if code == errno.ENOTDIR:
+        return StorageError(
+            "a file is where a folder is expected",
+            where=where,
+            fix="give the checkpoint folder itself (the dir= of the training)",
+        )
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return StorageError(
+            "no space left",
+            where=where,
+            fix="free some space there, or choose another folder",
+        )
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return StorageError(
+        reason,
+        where=where,
+        fix="check the folder and the file system or network it is on, then run the command again",
+    )
+
+
+def _client_problem(location: str | None, exc: Exception) -> StorageError | None:
+    """An S3 client's own errors (botocore's are not OSErrors), or ``None`` for anything else."""
+    boto = sys.modules.get("botocore.exceptions")
+    if boto is None or not isinstance(exc, (boto.BotoCoreError, boto.ClientError)):
+        return None
+    where = location or ""
+    if isinstance(exc, (boto.NoCredentialsError, boto.PartialCredentialsError)):
+        return StorageError(
+            "no S3 credentials found",
+            where=where,
+            fix="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or write "
+            "~/.aws/credentials)",
+        )
+    if isinstance(exc, boto.EndpointConnectionError):
+        return StorageError(
+            f"cannot reach the S3 endpoint: {exc}",
+            where=where,
+            fix="check the network, and AWS_ENDPOINT_URL where the store is not AWS itself",
+        )
+    return StorageError(
+        f"the S3 client failed: {exc}",
+        where=where,
+        fix="check the credentials, the endpoint and the bucket name",
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,8 @@ class NbresumeError(Exception):
         if self.where and self.where not in text:
             text = f"{self.where}: {text}"
         if self.fix:
-            text = (
-                f"{text}. Fix: {self.fix}" if not text.endswith(".") else f"{text} Fix: {self.fix}"
-            )
+            ended = text.endswith((".", "?", "!"))  # "did you mean every=?" ends a sentence
+            text = f"{text} Fix: {self.fix}" if ended else f"{text}. Fix: {self.fix}"
         return text
 
 
@@ -70,8 +69,37 @@ class StorageError(CheckpointError):
     """The storage backend failed (permissions, a vanished mount, a network store error)."""
 
 
+class FolderInUseError(CheckpointError):
+    """Another live writer holds the checkpoint folder's writer lease.
+
+    Attributes:
+        holder: what the lease file says of the holder (host, pid, since, renewed, ...), or
+            ``None`` where it could not be read.
+    """
+
+    def __init__(
+        self, message: str, *, where: str = "", fix: str = "", holder: object = None
+    ) -> None:
+        self.holder = holder
+        super().__init__(message, where=where, fix=fix)
+
+
+class LeaseLostError(FolderInUseError):
+    """This writer no longer holds the folder's lease (a newer Checkpointer in this process,
+    or another process after the lease expired, took it over): it must not write there."""
+
+
 class UsageError(NbresumeError):
     """nbresume was called in a way it does not support."""
+
+
+class ArgumentError(UsageError, ValueError, TypeError):
+    """An argument of a public function has a value or a type nbresume does not take.
+
+    The message names the call, the argument and the value; ``fix`` says what to pass. It is
+    also a ValueError and a TypeError, what Python raises for a bad argument, so that code
+    that catches those keeps working.
+    """
 
 
 class PreflightError(NbresumeError):

@@ -28,6 +28,7 @@ notebook: :func:`is_kaggle_ref` tells, and the command line hands it to Kaggle s
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib
 import os
@@ -50,7 +51,7 @@ from nbresume.checkpoint.format import (
     step_dirname,
 )
 from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, open_store
-from nbresume.checkpoint.store import CheckpointStore, VerifyResult, format_bytes
+from nbresume.checkpoint.store import CheckpointStore, VerifyResult, format_bytes, read_header
 from nbresume.errors import CorruptCheckpointError, StorageError, UsageError
 
 #: Suffix of a file being copied (hidden: it starts with a dot).
@@ -344,6 +345,8 @@ class Puller:
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if exc.errno == errno.EINVAL:  # a FIFO, a link or a folder: a broken checkpoint
+                return _Result(name, False, problem=f"{manifest_where}: not a regular file")
             raise _TransferError(f"reading {manifest_where} failed: {exc}") from exc
         try:
             manifest = parse_manifest(raw, where=manifest_where, expected_step=step)
@@ -412,6 +415,8 @@ class Puller:
         if offset > entry.size:
             part.unlink()
             offset = 0
+        if not offset and name.endswith(".safetensors"):
+            self._check_header(folder, name, entry)
         problem = self._copy(folder, name, entry, part, offset)
         how, note = ("resumed", f"{name} continued at {format_bytes(offset)}") if offset else (
             "pulled", "")  # fmt: skip
@@ -426,6 +431,17 @@ class Puller:
             raise _Mismatch(problem)
         os.replace(part, final)
         return how, note
+
+    def _check_header(self, folder: str, name: str, entry: FileEntry) -> None:
+        """Refuse a safetensors file whose header does not account for the size the manifest
+        gives (a sparse file of gigabytes) before a byte of it is copied."""
+        try:
+            with self.source.open_read(folder, name) as handle:
+                read_header(handle, entry.size, where=self.source.child(folder, name))
+        except CorruptCheckpointError as exc:
+            raise _Mismatch(exc.message) from None
+        except OSError:
+            pass  # the copy meets the same problem and reports it as usual
 
     def _copy(self, folder: str, name: str, entry: FileEntry, part: Path, offset: int) -> str:
         """Append the source file to ``part`` from ``offset``; return the mismatch, if any."""

@@ -4,7 +4,9 @@
 for each it forks two fresh processes, ranks 0 and 1 of a new process group (torch is not
 imported again: that is what makes several runs per test affordable), waits for both, and
 prints ``exit RANK CODE`` for each (a negative code: killed by that signal), then ``done``.
-Every line a rank prints starts with ``rankN``. Commands:
+Every line a rank prints starts with ``rankN``; a rank that ended well prints ``rankN teardown``
+last, just before ``destroy_process_group()``; what a rank wrote on stderr follows, after it
+ended, as ``rankN stderr LINE`` lines. Commands:
 
     save ROOT EXPECTED [--kill-at-step S --kill-rank R --kill-file NAME|commit [--kill-only]]
     restore ROOT EXPECTED
@@ -35,9 +37,11 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -224,9 +228,15 @@ def run_rank(rank: int, port: int, argv: list[str]) -> int:
         {"save": save, "restore": restore, "train": train}[args.mode](args)
     except Exception as exc:
         say("error", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return 1
-    finally:
         dist.destroy_process_group()
+        return 1
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    # Every result is reported: what follows is torch's teardown alone, which can still abort
+    # (see teardown.py).
+    say("teardown")
+    dist.destroy_process_group()
     return 0
 
 
@@ -244,10 +254,18 @@ def main() -> None:
             continue
         port = free_port()
         sys.stdout.flush()
+        errors = tempfile.mkdtemp(prefix="sharded-stderr-")
         children = {}
         for rank in range(2):
             pid = os.fork()
             if pid == 0:
+                # The rank's stderr in a file of its own (C++ code writes to fd 2 directly),
+                # printed with the rank's name once it is gone.
+                stderr = os.open(
+                    os.path.join(errors, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
+                )
+                os.dup2(stderr, 2)
+                os.close(stderr)
                 code = 1
                 try:
                     code = run_rank(rank, port, argv)
@@ -260,7 +278,11 @@ def main() -> None:
             pid, status = os.wait()
             codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
         for rank in sorted(codes):
+            with open(os.path.join(errors, str(rank)), errors="replace") as written:
+                for text in written:
+                    print(f"rank{rank} stderr {text.rstrip()}", flush=True)
             print("exit", rank, codes[rank], flush=True)
+        shutil.rmtree(errors, ignore_errors=True)
         print("done", flush=True)
 
 

@@ -42,7 +42,7 @@ def dumps_of(prefix: Path) -> dict[int, dict[str, str]]:
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Finished:
     base = tmp_path_factory.mktemp("ddp")
     job = forked(base / "run", TOTAL, "--every", str(EVERY), "--dump", str(base / "end"))
-    assert job.finish() == 0, job.describe()
+    job.finish_well()
     finals = {job.of(0, "final")[0], job.of(1, "final")[0]}
     assert len(finals) == 1, f"the replicas differ\n{job.describe()}"
     return Finished(base / "run", job, dumps_of(base / "end"), finals.pop())
@@ -52,7 +52,7 @@ def test_a_fresh_pair_of_processes_restores_every_rank_exactly(
     uninterrupted: Finished, tmp_path: Path
 ) -> None:
     job = forked(uninterrupted.folder, TOTAL, "--restore-only", "--dump", str(tmp_path / "r"))
-    assert job.finish() == 0, job.describe()
+    job.finish_well()
     restored = dumps_of(tmp_path / "r")
     assert restored == uninterrupted.dumps  # weights, optimizer and every RNG, per rank
     assert restored[0]["rng"] != restored[1]["rng"]  # each rank got its own streams back
@@ -97,7 +97,7 @@ def test_a_killed_rank_and_a_new_torchrun_end_bit_identical(
     assert first.finish() != 0, first.describe()
     assert first.of(0, "final") == [], first.describe()  # it did not get to the end
     again = torchrun(*command)
-    assert again.finish() == 0, again.describe()
+    again.finish_well()
     assert again.of(0, "start") == again.of(1, "start"), again.describe()
     assert 12 <= int(again.of(0, "start")[0]) < TOTAL, again.describe()
     assert again.of(0, "final") == again.of(1, "final") == [uninterrupted.final]

@@ -13,7 +13,9 @@ streams), draws dropout masks, augmentation (inside the Dataset) and a loss scal
 and reads its share of the data through a shuffled DistributedSampler. Every rank prints
 "rank R pid P", "rank R start S", "rank R step S" per step, "rank R event KIND S" for the
 Checkpointer's events other than "step", and at the end "rank R final HASH" (parameters and
-optimizer state). An exception is printed as "rank R error KIND: MESSAGE" (exit status 1).
+optimizer state), then "rank R teardown" just before ``destroy_process_group()``. An exception
+is printed as "rank R error KIND: MESSAGE" (exit status 1). With --ranks, what a rank wrote on
+stderr is printed as "rank R stderr LINE" lines after it ended, before its "rank R exit STATUS".
 
 --dump writes, per rank, FILE.R.json with the hashes of the weights, the optimizer state and
 every RNG state, after the run (or, with --restore-only, right after restore()).
@@ -29,8 +31,10 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any
@@ -105,6 +109,7 @@ def fork_ranks(count: int, args: argparse.Namespace) -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    errors = tempfile.mkdtemp(prefix="ddp-stderr-")
     children = {}
     for rank in range(count):
         pid = os.fork()
@@ -113,6 +118,13 @@ def fork_ranks(count: int, args: argparse.Namespace) -> int:
                 RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(count),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             )  # fmt: skip
+            # Each rank's stderr in a file of its own (libstdc++ and C++ code write to fd 2
+            # directly): the parent passes it on with the rank's name once the rank is gone.
+            stderr = os.open(
+                os.path.join(errors, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
+            )
+            os.dup2(stderr, 2)
+            os.close(stderr)
             code = 1
             try:
                 code = train(args)
@@ -128,8 +140,13 @@ def fork_ranks(count: int, args: argparse.Namespace) -> int:
     while children:
         pid, status = os.wait()
         code = os.waitstatus_to_exitcode(status)
-        say(children.pop(pid), f"exit {code}")
+        rank = children.pop(pid)
+        with open(os.path.join(errors, str(rank)), errors="replace") as written:
+            for line in written:
+                say(rank, f"stderr {line.rstrip()}")
+        say(rank, f"exit {code}")
         failed = failed or code != 0
+    shutil.rmtree(errors, ignore_errors=True)
     return 1 if failed else 0
 
 
@@ -171,8 +188,9 @@ def train(args: argparse.Namespace) -> int:
     probe = Probe(lambda: 0, args.fail_at if rank == 0 else None)
     ckpt = nbresume.Checkpointer(
         args.dir, every=args.every, keep=2, deadline=None, async_save=not args.sync,
-        callbacks=[trace], model=module, optimizer=optimizer, probe=probe, note="ddp",
+        callbacks=[trace], model=module, optimizer=optimizer, probe=probe,
     )  # fmt: skip
+    ckpt["note"] = "ddp"
     probe.ckpt_step = lambda: ckpt.step
     data = ckpt.loader(loader)
     try:
@@ -190,7 +208,7 @@ def train(args: argparse.Namespace) -> int:
                 say(rank, f"step {step + 1}")
                 if args.sleep:
                     time.sleep(args.sleep)
-            ckpt.close()
+        ckpt.close()  # also after a restore only: the writer lease is released
     except nbresume.NbresumeError as exc:
         say(rank, f"error {type(exc).__name__}: {exc}")
         return 1
@@ -201,6 +219,9 @@ def train(args: argparse.Namespace) -> int:
     # Both ranks reach the teardown together: a rank that closes its connections while the
     # other still uses them can abort gloo's threads at exit.
     dist.barrier()
+    # Every result is reported: what follows is torch's teardown alone, which can still abort
+    # (see tests/distributed/teardown.py).
+    say(rank, "teardown")
     dist.destroy_process_group()
     return 0
 

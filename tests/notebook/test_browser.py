@@ -232,6 +232,15 @@ def test_panel_live_in_jupyterlab(jupyterlab: str, browser_page: Any, tmp_path: 
     assert before
     assert all(step % 300 == 0 for step in before)
 
+    # What a crash would lose: the last verified checkpoint and the steps since, no warning.
+    at_risk = ".nbresume-panel .nbresume-at-risk span[data-warning='false']"
+    page.wait_for_selector(f"{at_risk}:not([data-step=''])")
+    assert int(attribute(page, at_risk, "data-step")) % 300 == 0
+    assert re.search(
+        r"last verified checkpoint: step [\d,]+, [^;]+; [\d,]+ steps? \(.+\) since",
+        page.locator(at_risk).first.inner_text(),
+    )
+
     # "Save now" while the training cell runs: saved at the next step boundary.
     page.locator(".nbresume-panel .nbresume-save").first.click()
     page.wait_for_function(

@@ -246,12 +246,14 @@ def test_init_prepares_a_durable_folder_that_checkpoints_survive_in(
     assert run.report["durable folder"].status == "ok", run.report["durable folder"]
     assert nbresume.current_run() is run
 
-    ckpt = run.checkpointer(every=None, async_save=False, progress={"epoch": 3})
+    ckpt = run.checkpointer(every=None, async_save=False)
+    ckpt["progress"] = {"epoch": 3}
     ckpt.save(step=40)
     ckpt.close()
 
     again = nbresume.init(NAME, quiet=True)
-    resumed = again.checkpointer(every=None, async_save=False, progress={"epoch": 0})
+    resumed = again.checkpointer(every=None, async_save=False)
+    resumed["progress"] = {"epoch": 0}
     assert resumed.restore() == 40
     assert resumed["progress"] == {"epoch": 3}
     resumed.close()

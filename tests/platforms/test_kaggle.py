@@ -115,9 +115,8 @@ def test_quiet_prints_nothing(interactive: Path, capsys: pytest.CaptureFixture[s
 
 def _save(folder: Path, step: int) -> None:
     """Save a checkpoint as an earlier version of the notebook did."""
-    ckpt = nbresume.Checkpointer(
-        folder, every=None, keep=None, deadline=None, async_save=False, progress={"step": step}
-    )
+    ckpt = nbresume.Checkpointer(folder, every=None, keep=None, deadline=None, async_save=False)
+    ckpt["progress"] = {"step": step}
     ckpt.save(step=step)
     ckpt.close()
 
@@ -172,7 +171,8 @@ def test_newest_verified_checkpoint_of_the_inputs_is_copied_in(
     # The inputs are read-only on Kaggle: nothing there was touched.
     assert _tree_digest(previous_outputs) == before
 
-    ckpt = run.checkpointer(every=None, async_save=False, progress={"step": 0})
+    ckpt = run.checkpointer(every=None, async_save=False)
+    ckpt["progress"] = {"step": 0}
     assert ckpt.restore() == 200
     assert ckpt["progress"] == {"step": 200}
     ckpt.close()

@@ -170,11 +170,9 @@ def test_owner_slug_means_kaggle_unless_it_is_a_local_folder(
     assert "checkpoint: none yet" in out
 
 
-def test_a_missing_folder_is_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_missing_folder_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = status(tmp_path / "nowhere" / "x", capsys)
-    assert code == 2
+    assert code == 1
     assert "no such folder" in err
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import nbresume
+from nbresume.checkpoint.lease import LEASE_NAME
 
 
 def fill(path: Path, leave: int) -> None:
@@ -79,7 +80,10 @@ def main() -> int:
     report["events_after_failure"] = list(events)
     report["verify_after_failure"] = nbresume.verify(root).summary
     report["steps_after_failure"] = [info.step for info in ckpt.list()]
-    report["hidden_after_failure"] = sorted(n for n in os.listdir(root) if n.startswith("."))
+    # Leftovers of the failed save; the live writer's lease is not one.
+    report["hidden_after_failure"] = sorted(
+        n for n in os.listdir(root) if n.startswith(".") and n != LEASE_NAME
+    )
     try:
         ckpt.wait()  # the failure was reported once; it is not raised a second time
         report["raised_again"] = False

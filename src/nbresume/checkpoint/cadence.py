@@ -10,6 +10,14 @@ from __future__ import annotations
 import math
 import re
 
+from nbresume.checkpoint.arguments import (
+    check_positive_seconds,
+    is_int,
+    is_number,
+    kind,
+    refused,
+)
+
 _DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|secs|m|min|mins|h|hr|hrs|d)?\s*", re.I)
 _UNIT_SECONDS = {
     None: 1.0, "ms": 0.001, "s": 1.0, "sec": 1.0, "secs": 1.0, "m": 60.0, "min": 60.0,
@@ -33,32 +41,63 @@ def young_daly_seconds(save_cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * mtbf_s * max(save_cost_s, 1e-6))
 
 
+_EVERY_FIX = (
+    'every=500 saves every 500 steps, every="15min" every 15 minutes, every="auto" at the '
+    "interval that loses the least work, every=None only at the end, a deadline or a signal"
+)
+
+
+def parse_every(every: object, call: str = "Checkpointer") -> tuple[int | None, float | None, bool]:
+    """``every=`` as (steps, seconds, auto); raises ArgumentError naming the value."""
+    if every is None:
+        return None, None, False
+    if isinstance(every, bool):
+        raise refused(call, "every", every, "a bool is not a cadence", _EVERY_FIX)
+    if is_int(every):
+        if int(every) < 1:
+            raise refused(
+                call,
+                "every",
+                every,
+                "a cadence is at least 1 step",
+                "every=None saves only at the end, at a deadline or on a signal; every=1 "
+                "saves after every step",
+            )
+        return int(every), None, False
+    if is_number(every):
+        seconds = float(every)
+        return None, check_positive_seconds(call, "every", every, seconds, _EVERY_FIX), False
+    if every == "auto":
+        return None, None, True
+    if not isinstance(every, str):
+        raise refused(call, "every", every, f"{kind(every)} is not a cadence", _EVERY_FIX)
+    unitless = _DURATION.fullmatch(every)
+    if unitless is not None and unitless.group(2) is None:
+        raise refused(
+            call,
+            "every",
+            every,
+            "a number without a unit could mean steps or seconds",
+            f'every={every.strip()} for steps, every="{every.strip()}s" for seconds',
+        )
+    try:
+        seconds = parse_duration(every)
+    except ValueError as exc:
+        raise refused(call, "every", every, str(exc), _EVERY_FIX) from None
+    return None, check_positive_seconds(call, "every", every, seconds, _EVERY_FIX), False
+
+
 class Cadence:
     """Decides at each step boundary whether a save is due.
 
     ``every`` is an int (steps), a duration string, a number of seconds as a float, ``"auto"``
     or ``None`` (never on cadence; saves still happen at the end, on signals and deadlines).
+    Anything else raises :class:`~nbresume.errors.ArgumentError`.
     """
 
     def __init__(self, every: int | float | str | None, *, mtbf_s: float = 6 * 3600.0) -> None:
-        self.steps: int | None = None
-        self.seconds: float | None = None
-        self.auto = False
+        self.steps, self.seconds, self.auto = parse_every(every)
         self.mtbf_s = mtbf_s
-        if every is None:
-            pass
-        elif isinstance(every, bool):
-            raise ValueError("every= must be steps, a duration or 'auto', not a bool")
-        elif isinstance(every, int):
-            if every < 1:
-                raise ValueError(f"every= must be at least 1 step, got {every}")
-            self.steps = every
-        elif isinstance(every, float):
-            self.seconds = every
-        elif every == "auto":
-            self.auto = True
-        else:
-            self.seconds = parse_duration(every)
         self.save_cost_s: float | None = None
         self.step_time_s: float | None = None
 

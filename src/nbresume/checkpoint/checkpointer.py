@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
+import inspect
 import logging
 import signal
 import sys
@@ -31,12 +33,34 @@ from typing import Any
 from nbresume import knobs
 from nbresume.checkpoint import distributed
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint.cadence import Cadence
+from nbresume.checkpoint.arguments import (
+    check_bool,
+    check_callbacks,
+    check_int,
+    check_keep,
+    check_keep_best,
+    check_metric,
+    check_storage_options,
+    kind,
+    refused,
+    show,
+)
+from nbresume.checkpoint.cadence import Cadence, parse_every
 from nbresume.checkpoint.data import ResumableLoader
-from nbresume.checkpoint.deadline import resolve_deadline
+from nbresume.checkpoint.deadline import check_deadline, resolve_deadline
 from nbresume.checkpoint.durability import DurabilityWatcher
-from nbresume.checkpoint.format import MANIFEST_NAME, parse_step_dirname
-from nbresume.checkpoint.state import capture_rng, flatten, restore_rng, unflatten
+from nbresume.checkpoint.format import parse_step_dirname
+from nbresume.checkpoint.lease import acquire_writer_lease
+from nbresume.checkpoint.state import (
+    STATE_VERSION,
+    SavedState,
+    capture_rng,
+    decode_state,
+    flatten,
+    is_state_document,
+    restore_rng,
+)
+from nbresume.checkpoint.storage import Store, check_location
 from nbresume.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
@@ -50,6 +74,7 @@ from nbresume.errors import (
     CorruptCheckpointError,
     NbresumeError,
     NoCheckpointError,
+    StorageError,
     UsageError,
 )
 
@@ -59,7 +84,6 @@ STATE_FILE = "state"
 RNG_GROUP = "rng"
 VALUES_GROUP = "values"
 _RESERVED = {STATE_FILE, RNG_GROUP, VALUES_GROUP, "manifest"}
-STATE_VERSION = 1
 
 
 class _Snapshot:
@@ -163,17 +187,35 @@ class _BackgroundSave:
         return error
 
 
+class _EpochLoop:
+    """What the running ``epochs()`` loop knows of the batches its wrapped loaders hand out."""
+
+    def __init__(self, loop_id: int) -> None:
+        self.id = loop_id
+        self.thread = threading.current_thread()
+        #: The loaders (by id) that handed out a batch in the running step; empty: none runs.
+        self.step: set[int] = set()
+        #: Loaders whose pass the consumer left early, not yet settled.
+        self.left: list[ResumableLoader] = []
+        #: A step ended where its boundary could not run yet.
+        self.owed = False
+        #: Batches handed out in this epoch.
+        self.batches = 0
+        #: True during a boundary run where a loader asks for a batch: mid-epoch.
+        self.requesting = False
+
+
 class Checkpointer:
     """Save and resume full training state, exactly.
 
     Args:
         dir: where checkpoints live: a local path or an fsspec URL.
-        every: save cadence: steps (``500``), a duration (``"15min"``), ``"auto"`` (the
-            Young/Daly interval from the measured save cost) or ``None`` (only at the end, at a
-            deadline or on a signal).
-        keep: how many of the newest checkpoints to keep.
-        keep_best: ``(metric, "min" | "max")``: also keep the best checkpoints by a metric
-            passed to :meth:`save`.
+        every: save cadence: steps (``500``), a duration (``"15min"``; a float is seconds),
+            ``"auto"`` (the Young/Daly interval from the measured save cost) or ``None`` (only
+            at the end, at a deadline or on a signal).
+        keep: how many of the newest checkpoints to keep (at least 1; ``None`` keeps all).
+        keep_best: ``(metric, "min" | "max"[, count])``: also keep the best checkpoints by a
+            metric passed to :meth:`save`.
         deadline: ``"auto"`` (the platform's session cap), seconds from now, a duration, or
             ``None``. Before it, :meth:`steps` saves and returns cleanly, leaving ``done`` false.
         async_save: write, commit and verify in the background (training waits only for a copy
@@ -184,7 +226,11 @@ class Checkpointer:
         trainable_only: save only what trains of every ``nn.Module`` (see
             :func:`nbresume.trainable_only`): for fine-tuning with frozen weights.
         **state: named stateful objects (model, optimizer, scheduler, GradScaler, a
-            StatefulDataLoader, a DataLoader) and plain JSON values.
+            StatefulDataLoader: anything with ``state_dict()`` and ``load_state_dict()``) and
+            DataLoaders. Plain values are set with ``ckpt["name"] = value``.
+
+    Every argument is checked here, before anything is created: a wrong one (a misspelled
+    option such as ``evry=2`` included) raises :class:`~nbresume.errors.ArgumentError`.
     """
 
     def __init__(
@@ -201,6 +247,19 @@ class Checkpointer:
         trainable_only: bool = False,
         **state: Any,
     ) -> None:
+        # Everything is checked before anything is built: a refused call changes nothing.
+        _check_arguments(
+            dir,
+            every=every,
+            keep=keep,
+            keep_best=keep_best,
+            deadline=deadline,
+            async_save=async_save,
+            callbacks=callbacks,
+            storage_options=storage_options,
+            trainable_only=trainable_only,
+            state=state,
+        )
         self.store = CheckpointStore(
             dir, keep=keep, keep_best=keep_best, storage_options=storage_options
         )
@@ -235,17 +294,16 @@ class Checkpointer:
         self._in_loop = False
         self._save_requested = False  # set from any thread by request_save()
         self._stop_request = ""  # set from any thread by request_stop()
+        # One live writer per folder: a second one is refused here, before it writes anything
+        # (under torch.distributed only rank 0, the one that writes, takes the lease).
+        self._lease = acquire_writer_lease(self.store.store, drain=self._background.wait)
         atexit.register(self._at_exit)
         ev.announce(self)  # a notebook panel or a status line subscribes here
 
     # -- registration ----------------------------------------------------------------------
 
     def _register(self, name: str, value: Any) -> None:
-        if name in _RESERVED or not name.isidentifier():
-            raise UsageError(
-                f"{name!r} cannot name checkpointed state",
-                fix=f"choose another keyword than {sorted(_RESERVED)}",
-            )
+        _check_name(name)
         if self._trainable_only and _is_module(value):
             value = TrainableOnly(value)
         if _is_dataloader(value):
@@ -282,11 +340,15 @@ class Checkpointer:
             if isinstance(value, ResumableLoader) and (
                 dataloader is None or value.loader is dataloader
             ):
+                value._on_batch = self
                 return value
         if dataloader is None:
             raise UsageError("no DataLoader was given to the Checkpointer", fix="ckpt.loader(dl)")
+        made_in = self._refuse_a_remade_loader(dataloader)
         name = "loader" if "loader" not in self._objects else f"loader{len(self._objects)}"
         wrapped = ResumableLoader(dataloader, seed=seed)
+        wrapped._on_batch = self
+        wrapped._created_in = made_in
         self._objects[name] = wrapped
         if name in self._pending_objects:
             self._load_object(name, wrapped, self._pending_objects.pop(name))
@@ -300,7 +362,12 @@ class Checkpointer:
     def restore(self) -> int:
         """Load the newest checkpoint that verifies into every object; return the step to
         continue from (0 when there is none). Unconditional and idempotent: calling it again
-        changes nothing."""
+        changes nothing.
+
+        Each checkpoint is checked whole before anything is copied (its files, its state, and
+        that it fits every object: names, shapes, dtypes); one that does not is passed over
+        for the next older one with a warning. When none is usable this raises and leaves
+        every object, value, step and RNG as it was."""
         sharded = self._sharded_objects()
         if sharded:
             return self._restore_sharded(sharded)
@@ -310,29 +377,54 @@ class Checkpointer:
         self._raise_background_error()
         if self._restored:
             return self.step
-        self._restored = True
+        misfits: list[_DoesNotFit] = []
         try:
-            loaded = self.store.load()
+            self.store.load(check=self._restorer(rank=0, world_size=1, apply=True, misfits=misfits))
         except NoCheckpointError:
             if self._any_committed():
                 raise  # checkpoints exist but none verifies: starting over would hide that
-            return 0
-        self._apply(loaded, rank=0, world_size=1)
+        except _DoesNotFit as exc:
+            raise _no_fit(exc, misfits, self.store.location) from None
+        self._restored = True
         return self.step
+
+    def _restorer(
+        self, *, rank: int, world_size: int, apply: bool, misfits: list[_DoesNotFit]
+    ) -> Callable[[LoadedCheckpoint], None]:
+        """The check :meth:`CheckpointStore.load` runs on each candidate: validate it against
+        the live objects (and with ``apply``, put it into them, all or nothing). Checkpoints
+        that do not fit are collected in ``misfits``."""
+
+        def check(loaded: LoadedCheckpoint) -> None:
+            try:
+                plan = self._plan(loaded, rank=rank, world_size=world_size)
+            except _DoesNotFit as exc:
+                misfits.append(exc)
+                raise
+            if apply:
+                self._apply_plan(plan)
+
+        return check
 
     def _restore_distributed(self, group: distributed.Group) -> int:
         """Rank 0 picks the checkpoint (the newest that verifies), every rank loads that step."""
         if self._restored:
             return self.step
-        self._restored = True
         chosen: LoadedCheckpoint | None = None
         error: BaseException | None = None
         if group.rank == 0:
+            misfits: list[_DoesNotFit] = []
             try:
-                chosen = self.store.load()
+                chosen = self.store.load(
+                    check=self._restorer(
+                        rank=0, world_size=group.world_size, apply=False, misfits=misfits
+                    )
+                )
             except NoCheckpointError as exc:
                 if self._any_committed():
                     error = exc  # checkpoints exist but none verifies
+            except _DoesNotFit as exc:
+                error = _no_fit(exc, misfits, self.store.location)
             except Exception as exc:  # shared below, so that no rank waits for rank 0 alone
                 error = exc
         problem = group.broadcast_error(error)
@@ -340,13 +432,17 @@ class Checkpointer:
             raise problem
         (step,) = group.broadcast_ints([-1 if chosen is None else chosen.step])
         if step < 0:
+            self._restored = True
             self._share_loader_seeds(group)
             return 0
-        if group.rank != 0:
-            try:
+        plan: _RestorePlan | None = None
+        try:
+            if group.rank != 0:
                 chosen = self.store.load(step)
-            except Exception as exc:
-                error = exc
+            assert chosen is not None
+            plan = self._plan(chosen, rank=group.rank, world_size=group.world_size)
+        except Exception as exc:
+            error = exc
         (failed,) = group.agree([error is not None])
         if error is not None:
             raise error
@@ -357,48 +453,95 @@ class Checkpointer:
                 fix="every process must see the same checkpoint folder: on several machines, "
                 "put it on a shared file system or an object store; see the failing rank's log",
             )
-        assert chosen is not None
-        self._apply(chosen, rank=group.rank, world_size=group.world_size)
+        assert plan is not None
+        self._apply_plan(plan)
+        self._restored = True
         self._share_loader_seeds(group)
         return self.step
 
-    def _apply(self, loaded: LoadedCheckpoint, *, rank: int, world_size: int) -> None:
-        """Put a loaded checkpoint into every object, value and RNG (this rank's own)."""
-        state = loaded.data.get(STATE_FILE)
-        where = loaded.location
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise CorruptCheckpointError(
-                "state.json is missing or of an unknown version", where=where
-            )
-        rng = _rank_rng(state, rank=rank, world_size=world_size, where=where)
-        try:
-            objects = state["objects"]
-            for name, document in objects.items():
-                tree = unflatten(document, loaded.tensors.get(name, {}), where=where)
-                if name in self._objects:
-                    self._load_object(name, self._objects[name], tree)
-                else:
-                    self._pending_objects[name] = tree
-            for name in self._objects.keys() - objects.keys() - set(state.get("sharded", [])):
-                warnings.warn(
-                    f"nbresume: the checkpoint at {where} holds no state for {name!r}; "
-                    "it keeps its current state",
-                    RuntimeWarning,
-                    stacklevel=4,
+    def _plan(self, loaded: LoadedCheckpoint, *, rank: int, world_size: int) -> _RestorePlan:
+        """Decode and check everything a restore needs from ``loaded`` without changing
+        anything: the state document, this rank's RNG states, and the match between every
+        saved object and the live one (names, shapes, dtypes)."""
+        where = f"{loaded.location}/{STATE_FILE}.json"
+        saved = loaded.state
+        if saved is None:
+            document = loaded.data.get(STATE_FILE)
+            if not is_state_document(document):
+                raise CorruptCheckpointError(
+                    "state.json is missing or is not a Checkpointer's state", where=where
                 )
-            values = unflatten(state.get("values", {}), loaded.tensors.get(VALUES_GROUP, {}),
-                               where=where)  # fmt: skip
-            self._values.update(values)
-            restore_rng(unflatten(rng, loaded.tensors.get(RNG_GROUP, {}), where=where))
-            self.step = int(state["step"])
-            self.epoch = int(state["epoch"])
-            saved_total = state.get("total")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCheckpointError(f"state.json is incomplete: {exc}", where=where) from None
-        self.done = bool(state.get("done")) and (saved_total is None or self.step >= saved_total)
+            saved = decode_state(document, loaded.tensors, where=where)
+        rng = _rank_rng(saved, rank=rank, world_size=world_size, where=loaded.location)
+        differences: list[str] = []
+        files: list[str] = []  # the tensor files of the objects that differ
+        for name, tree in saved.objects.items():
+            if name in self._objects:
+                try:
+                    found = _differences(name, self._objects[name], tree)
+                except Exception as exc:  # a saved tree of an unexpected form
+                    found = [f"{name}: the saved state cannot be compared with it ({exc!r})"]
+                differences += found
+                if found and f"{name}.safetensors" in loaded.manifest.files:
+                    files.append(f"{loaded.location}/{name}.safetensors")
+        if differences:
+            shown = "; ".join(differences[:8])
+            more = f"; and {len(differences) - 8} more" if len(differences) > 8 else ""
+            raise _DoesNotFit(
+                f"the checkpoint of step {loaded.step} does not fit the objects given: "
+                f"{shown}{more}",
+                where=", ".join(files) or where,
+                fix=_NO_FIT_FIX,
+                step=loaded.step,
+                differences=differences,
+            )
+        missing = sorted(self._objects.keys() - saved.objects.keys() - set(saved.sharded))
+        return _RestorePlan(loaded.location, saved, rng, missing)
+
+    def _apply_plan(self, plan: _RestorePlan) -> None:
+        """Put a checked plan into every object, value and RNG, all or nothing: objects whose
+        state was not checked against a live copy are loaded first, each after a snapshot, and
+        if one still fails, every one loaded so far and the RNGs are put back as they were."""
+        saved = plan.saved
+        rng_before = capture_rng()
+        # Unchecked objects first (each can be put back), then optimizers, whose loading has
+        # more ways to fail than a module's, and the modules last.
+        order = sorted(
+            (n for n in saved.objects if n in self._objects),
+            key=lambda n: (_is_checked_kind(self._objects[n]), _is_module(self._objects[n])),
+        )
+        undo: list[tuple[str, Any, Any]] = []
+        try:
+            restore_rng(plan.rng)
+            for name in order:
+                obj = self._objects[name]
+                before = None if _is_checked_kind(obj) else _snapshot(obj)
+                if before is not None:
+                    undo.append((name, obj, before))  # the failing one too: it may be half done
+                self._load_object(name, obj, saved.objects[name])
+        except BaseException:
+            for _, obj, before in reversed(undo):
+                with contextlib.suppress(Exception):
+                    obj.load_state_dict(before)
+            restore_rng(rng_before)
+            raise
+        for name, tree in saved.objects.items():
+            if name not in self._objects:
+                self._pending_objects[name] = tree
+        for name in plan.missing:
+            warnings.warn(
+                f"nbresume: the checkpoint at {plan.where} holds no state for {name!r}; "
+                "it keeps its current state",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        self._values.update(saved.values)
+        self.step = saved.step
+        self.epoch = saved.epoch
+        self.done = saved.done and (saved.total is None or self.step >= saved.total)
         self.restored_step = self.step
         self._last_saved_step = self.step
-        log.info("nbresume: resumed from step %d (%s)", self.step, where)
+        log.info("nbresume: resumed from step %d (%s)", self.step, plan.where)
 
     def _share_loader_seeds(self, group: distributed.Group) -> None:
         """Give every rank rank 0's data seeds. A restored loader gets rank 0's seed from the
@@ -415,16 +558,12 @@ class Checkpointer:
     def _any_committed(self) -> bool:
         """Whether a checkpoint folder has a manifest. A folder without one never committed (an
         interrupted write on an object store) and does not count as a checkpoint."""
-        store = self.store.store
-        for name in store.list_folders():
-            if parse_step_dirname(name) is None:
-                continue
-            try:
-                if MANIFEST_NAME in store.list_files(name):
-                    return True
-            except FileNotFoundError:
-                continue
-        return False
+        # Anything named manifest.json counts: one that is not a regular file (a FIFO, a link)
+        # is a broken checkpoint, and starting over would hide it.
+        return any(
+            parse_step_dirname(name) is not None and self.store._has_manifest(name)
+            for name in self.store.store.list_folders()
+        )
 
     @staticmethod
     def _load_object(name: str, obj: Any, tree: Any) -> None:
@@ -462,9 +601,20 @@ class Checkpointer:
         first (a stop or the final save must not be given up for an older failure), and
         raises only if it fails too.
         """
+        if step is not None:
+            step = check_int(
+                "Checkpointer.save",
+                "step",
+                step,
+                minimum=0,
+                fix="ckpt.save() saves the current step; ckpt.save(step=1500) names the step",
+            )
+        block = check_bool("Checkpointer.save", "block", block)
+        metrics = self._metrics(metric)
+        if self._stopping_in_body():
+            return self.store.latest()  # the stop's checkpoint is the one to continue from
         current_step, epoch = self._position()
         step = current_step if step is None else step
-        metrics = self._metrics(metric)
         background = self.async_save and not block
         group = distributed.current()
         sharded = self._sharded_objects()
@@ -640,22 +790,31 @@ class Checkpointer:
 
         if self._restored:
             return self.step
-        self._restored = True
         group = distributed.current()
         states = {name: loadable_state(obj) for name, obj in sharded.items()}
+        plans: list[_RestorePlan] = []
+
+        def check(loaded: LoadedCheckpoint) -> None:
+            # The rest of the state is checked before any shard is loaded in place.
+            plans.append(
+                self._plan(
+                    loaded,
+                    rank=0 if group is None else group.rank,
+                    world_size=1 if group is None else group.world_size,
+                )
+            )
+
         try:
-            loaded = load_sharded(self.store, states)
+            load_sharded(self.store, states, check=check)
         except NoCheckpointError:
             if self._any_committed():
                 raise  # checkpoints exist but none verifies: starting over would hide that
+            self._restored = True
             if group is not None:
                 self._share_loader_seeds(group)
             return 0
-        self._apply(
-            loaded,
-            rank=0 if group is None else group.rank,
-            world_size=1 if group is None else group.world_size,
-        )
+        self._apply_plan(plans[-1])
+        self._restored = True
         for name, state in states.items():
             self._load_object(name, sharded[name], state)
         if group is not None:
@@ -663,31 +822,35 @@ class Checkpointer:
         return self.step
 
     def _metrics(self, metric: float | Mapping[str, float] | None) -> dict[str, float]:
-        if metric is None:
-            return {}
-        if isinstance(metric, Mapping):
-            return {str(k): float(v) for k, v in metric.items()}
+        """``save(metric=)`` as ``{name: number}``: one number is named by ``keep_best``."""
         name = self._keep_best[0] if self._keep_best else "metric"
-        return {name: float(metric)}
+        return check_metric("Checkpointer.save", metric, name)
 
     def _position(self) -> tuple[int, int]:
         """The (step, epoch) a save made now records.
 
         Inside a loop body the body's own step counts as done: ``save()`` there is meant to
         be called after the step's update (or, in ``epochs()``, after the epoch's data), and
-        the state it captures (weights, optimizer, data position) already includes it.
+        the state it captures (weights, optimizer, data position) already includes it. In
+        ``epochs()``, once every wrapped loader used in the epoch has ended its pass and none
+        is partway through its data, the save is the checkpoint of the end of the epoch.
         """
         step, epoch = self.step, self.epoch
         if self._body == "step":
             return step + 1, epoch
-        if self._body == "epoch":
-            loaders = [o for o in self._objects.values() if isinstance(o, ResumableLoader)]
+        state = self._epochs
+        if self._body == "epoch" and state is not None:
+            loaders = self._wrapped_loaders()
             if not loaders:
                 return step + 1, epoch + 1  # an epoch is the step unit
-            if any(loader._holding for loader in loaders):
-                step += 1  # inside a batch: that batch's step
-            if any(loader.epoch > epoch for loader in loaders):
-                epoch += 1  # after the epoch's last batch
+            if state.requesting:
+                return step, epoch  # at a step boundary where a loader is asked for data
+            self._settle(state)  # a pass left by a break ends here, before its state is taken
+            step = self.step + (1 if state.step else 0)  # inside a step: that step's
+            finished = any(loader.finished_in == epoch for loader in loaders)
+            partway = any(loader.finished_in != epoch and loader.position > 0 for loader in loaders)
+            if finished and not partway:
+                epoch += 1  # after the epoch's data
         return step, epoch
 
     def _capture(
@@ -800,13 +963,27 @@ class Checkpointer:
 
         Saves on cadence at step boundaries, saves and stops before the deadline and on
         SIGTERM / SIGUSR1 / an interrupt, and saves at the end, setting :attr:`done`.
+        ``total`` is a whole number of steps, 0 or more. Take batches with
+        ``ckpt.loader(dataloader).batches()``.
         """
+        total = check_int(
+            "Checkpointer.steps",
+            "total",
+            total,
+            minimum=0,
+            fix="ckpt.steps(10_000) runs the steps up to 10000 that are left",
+        )
+        return self._steps(total)  # a generator of its own: a bad total is refused right here
+
+    def _steps(self, total: int) -> Iterator[int]:
         self.restore()
         self.total = total
         if self.step >= total:
             self.done = True
             return
         self.done = False  # a finished run given a larger total is unfinished again
+        self._hold_lease()
+        self._epochs = None  # wrapped loaders hand out batches as they are asked, uncounted
         with self._loop():
             while True:
                 started = time.monotonic()
@@ -824,19 +1001,39 @@ class Checkpointer:
     def epochs(self, count: int) -> Iterator[int]:
         """Yield epoch indices from where the restored checkpoint ended up to ``count``.
 
-        Iterate ``ckpt.loader(dataloader)`` inside: every batch it hands out is a step, and
-        saves happen at those step boundaries as in :meth:`steps`.
+        Iterate ``ckpt.loader(dataloader)`` inside (wrapped before the loop or inside it,
+        given to the constructor, in ``enumerate``, in ``zip``): every batch a wrapped loader
+        hands out belongs to a step, and saves happen at step boundaries as in :meth:`steps`.
+        A step ends when a wrapped loader that already handed out a batch in it is asked for
+        another (so ``zip`` of two loaders makes one step per pair), when such a loader is
+        left (``break``), or when the body of the epoch ends. Each wrapped loader makes one
+        pass per epoch; a pass left early ends there, and the next epoch starts the loader's
+        next epoch of data. An epoch in which no wrapped loader hands out a batch is one step.
+        ``count`` is a whole number of epochs, 0 or more.
         """
+        count = check_int(
+            "Checkpointer.epochs",
+            "count",
+            count,
+            minimum=0,
+            fix="ckpt.epochs(90) runs the epochs up to 90 that are left",
+        )
+        return self._epochs_of(count)  # a generator of its own: a bad count is refused here
+
+    def _epochs_of(self, count: int) -> Iterator[int]:
         self.restore()
         self.total = None
         if self.epoch >= count:
             self.done = True
             return
         self.done = False
-        loaders = [o for o in self._objects.values() if isinstance(o, ResumableLoader)]
+        self._hold_lease()
+        self._loops_started += 1
+        state = _EpochLoop(self._loops_started)
+        self._epochs = state
+        for loader in self._wrapped_loaders():
+            loader._on_batch = self  # loaders wrapped later are attached by loader()
         with self._loop():
-            for loader in loaders:
-                loader._on_batch = self._on_batch
             try:
                 while self.epoch < count:
                     started = time.monotonic()
@@ -845,30 +1042,166 @@ class Checkpointer:
                     self._body = None
                     if self.stop_reason:
                         return
-                    self.epoch += 1
-                    if not loaders:
-                        self.step += 1  # without a wrapped loader, an epoch is the step unit
-                        self.cadence.observe_step(time.monotonic() - started)
+                    self._end_epoch(state, started)
                     if self._boundary(final=self.epoch >= count):
                         return
             finally:
-                for loader in loaders:
-                    loader._on_batch = None
+                if self._epochs is state:  # not a loop started since (a generator closed late)
+                    self._epochs = None
+                    self._body = None
         self._finish()
 
-    def _on_batch(self, end_of_epoch: bool) -> bool:
-        """Called by a wrapped loader when the previous batch is done; True means stop."""
+    # How a wrapped loader reports to the epoch loop (data.EpochLoop). Step boundaries run
+    # only where the loop's own thread is in nbresume's code: when a loader is asked for a
+    # batch, at the end of the body, in save(). A pass left at its yield (break) is only
+    # noted when it happens and settled at the next of those points.
+
+    _loops_started = 0
+    #: The running epochs() loop, while it runs.
+    _epochs: _EpochLoop | None = None
+
+    def _stopping_in_body(self) -> bool:
+        """Whether the epoch loop saved and is stopping while its body still runs. The rest
+        of the body (validation, a per-epoch scheduler step) runs again in the resumed epoch,
+        so a save() there would record its effects twice: it is skipped."""
+        state = self._epochs
+        return (
+            self._body == "epoch"
+            and bool(self.stop_reason)
+            and state is not None
+            and not state.requesting  # the stop's own save, at a loader's request
+        )
+
+    def _wrapped_loaders(self) -> list[ResumableLoader]:
+        return [o for o in self._objects.values() if isinstance(o, ResumableLoader)]
+
+    def _in_epoch_body(self) -> bool:
+        return self._body == "epoch" and self._epochs is not None
+
+    def _begin_pass(self, loader: ResumableLoader) -> tuple[int, int] | None:
+        """A pass over ``loader`` begins: its key (the loop and the epoch), or ``None``
+        outside the body of an epoch loop, where the loader hands out batches uncounted."""
+        state = self._epochs
+        if state is None or self._body != "epoch":
+            return None
+        if threading.current_thread() is not state.thread:
+            raise UsageError(
+                "a wrapped loader was iterated in another thread than the one running "
+                "ckpt.epochs()",
+                fix="iterate it in the loop's own thread: a prefetching thread runs ahead of "
+                "training, so the saved position would count batches never trained on "
+                "(DataLoader(num_workers=N) already loads in parallel)",
+            )
+        key = (state.id, self.epoch)
+        if loader._pass_key == key:
+            raise UsageError(
+                f"a wrapped loader was iterated a second time in epoch {self.epoch} of "
+                "ckpt.epochs(); each wrapped loader makes one pass over its data per epoch",
+                fix="iterate it once per epoch (to cap an epoch, break out of that one loop); "
+                "for several passes per epoch, use ckpt.steps(total) with loader.batches()",
+            )
+        loader._pass_key = key
+        return key
+
+    def _wants_batch(self, loader: ResumableLoader, key: tuple[int, int], exhausted: bool) -> bool:
+        """``loader`` is asked for a batch (``exhausted``: its data epoch has none left).
+        Ends the step it handed out a batch in, and runs the boundary owed; True: stop."""
+        state = self._epochs
+        if state is None or self._body != "epoch" or key != (state.id, self.epoch):
+            raise UsageError(
+                "an iterator over a wrapped loader was used after the epoch it was made in",
+                fix="iterate the loader anew in each epoch (for batch in loader: ...) rather "
+                "than keeping an iterator from one epoch to the next",
+            )
+        if self.stop_reason:
+            return True  # stopped (and saved) earlier in this body: no more batches
+        self._settle(state)
+        if id(loader) in state.step:
+            self._end_step(state)
+        if not state.owed or exhausted:
+            # A loader that ran out hands out nothing more: the boundary waits for the next
+            # request or the end of the body, so that the end of the epoch's data is saved
+            # with the epoch that follows, as an epoch boundary.
+            return False
+        state.owed = False
+        state.requesting = True
+        try:
+            return self._boundary(final=False)
+        finally:
+            state.requesting = False
+
+    def _batch_given(self, loader: ResumableLoader) -> None:
+        state = self._epochs
+        assert state is not None
+        state.step.add(id(loader))
+        state.batches += 1
+
+    def _pass_left(self, loader: ResumableLoader, key: tuple[int, int]) -> None:
+        state = self._epochs  # any thread (a generator closed by the garbage collector)
+        if state is not None and key == (state.id, self.epoch):
+            state.left.append(loader)
+
+    def _settle(self, state: _EpochLoop) -> None:
+        """Passes left early: the step of their last batch ends, and the next pass of each
+        starts its next data epoch."""
+        left, state.left = state.left, []
+        for loader in left:
+            if id(loader) in state.step:
+                self._end_step(state)
+            if loader.finished_in != self.epoch:
+                loader._end_pass(self.epoch)
+
+    def _end_step(self, state: _EpochLoop) -> None:
         now = time.monotonic()
         self.step += 1
         if self._batch_started is not None:
             self.cadence.observe_step(now - self._batch_started)
         self._batch_started = now
-        if end_of_epoch:
-            # The epoch loop saves after the epoch counter moves, so that a checkpoint never
-            # holds a finished loader position with an unfinished epoch; its boundary also
-            # reports this step.
-            return False
-        return self._boundary(final=False)
+        state.step.clear()
+        state.owed = True
+
+    def _end_epoch(self, state: _EpochLoop, started: float) -> None:
+        """The body of an epoch ended: its last step ends, a loader left partway through
+        its data (break, or zip ended on a shorter loader) moves to its next data epoch, and
+        the epoch counter moves; the epoch boundary follows."""
+        self._settle(state)
+        if state.step:
+            self._end_step(state)
+        for loader in self._wrapped_loaders():
+            if loader.finished_in != self.epoch and loader.position > 0:
+                loader._end_pass(self.epoch)
+        if not state.batches:
+            self.step += 1  # no wrapped loader handed out a batch: the epoch is the step
+            self.cadence.observe_step(time.monotonic() - started)
+        state.batches = 0
+        state.owed = False
+        self.epoch += 1
+
+    def _refuse_a_remade_loader(self, dataloader: Any) -> tuple[int, int] | None:
+        """Where a wrapper made now is made: (loop, epoch) inside an epoch body, else None.
+        A new DataLoader over a dataset a wrapper made in an earlier epoch reads is refused:
+        its wrapper would start over, and a resumed run could not find its position."""
+        state = self._epochs
+        if state is None or self._body != "epoch":
+            return None
+        dataset = getattr(dataloader, "dataset", None)
+        for value in self._wrapped_loaders():
+            made = value._created_in
+            if (
+                made
+                and made[0] == state.id
+                and made[1] < self.epoch
+                and getattr(value.loader, "dataset", None) is dataset
+            ):
+                raise UsageError(
+                    f"epoch {self.epoch} gave ckpt.loader() a new DataLoader over the dataset "
+                    f"that a DataLoader of epoch {made[1]} reads; a new DataLoader each epoch "
+                    "would start a new position each time",
+                    fix="build the DataLoader once, before the loop, and pass that same "
+                    "object to ckpt.loader() in every epoch (or give it to the Checkpointer "
+                    "as loader=... and iterate ckpt.loader())",
+                )
+        return (state.id, self.epoch)
 
     _batch_started: float | None = None
     #: Which loop body runs now ("step" or "epoch"), between a yield and the next boundary.
@@ -993,6 +1326,9 @@ class Checkpointer:
         self.done = True
         self.save(block=True)
         self.events.emit(ev.DONE, self.step)
+        # A finished run writes nothing more: another process may use the folder now (a
+        # later save of this one takes the lease again, or is refused by that process).
+        self._release_lease()
 
     @contextlib.contextmanager
     def _loop(self) -> Iterator[None]:
@@ -1046,9 +1382,29 @@ class Checkpointer:
         return self.store.verify()
 
     def close(self) -> None:
-        """Finish the save in flight and raise its error, if any."""
+        """Finish the save in flight and raise its error, if any; give back the folder's
+        writer lease (a later save takes it again)."""
         atexit.unregister(self._at_exit)
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            self._release_lease()
+
+    def _release_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+
+    def _hold_lease(self) -> None:
+        """At the start of a loop: hold the folder's writer lease (given back when the last
+        loop finished, or never taken), so that a second live writer is refused before the
+        first step rather than at the first save."""
+        if self._lease is None:
+            return
+        try:
+            self._lease.check()  # FolderInUseError / LeaseLostError: refused, before any step
+        except (OSError, StorageError) as exc:
+            # A folder that cannot be written now: the save reports that itself.
+            log.debug("nbresume: writer lease of %s deferred to the save: %s", self.store, exc)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -1062,6 +1418,7 @@ class Checkpointer:
             error = self._background.take_error()
             if error is not None:
                 log.error("nbresume: a background save failed: %s", error)
+            self._release_lease()
 
     def _at_exit(self) -> None:
         self._background.wait()
@@ -1071,6 +1428,7 @@ class Checkpointer:
                 f"nbresume: the last background save failed and is NOT on disk: {error}",
                 file=sys.stderr,
             )
+        self._release_lease()
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.location!r}, step={self.step}, done={self.done})"
@@ -1099,46 +1457,320 @@ def _background_failure(error: BaseException | None) -> CheckpointError | None:
     )
 
 
-def _rank_rng(state: Mapping[str, Any], *, rank: int, world_size: int, where: str) -> Any:
-    """This rank's RNG document of ``state.json``.
+def _rank_rng(saved: SavedState, *, rank: int, world_size: int, where: str) -> Any:
+    """This rank's RNG states from a checked ``state.json``.
 
     A checkpoint of a job of N processes resumes only in a job of N processes: the data
     each rank sees (DistributedSampler) and its random stream depend on N. One process with
     no process group (a notebook loading weights to evaluate them) may load it: it gets rank
     0's RNG states, with a warning.
     """
-    saved = state.get("world_size", 1)
-    if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
-        raise CorruptCheckpointError(f"state.json has an invalid world_size {saved!r}", where=where)
-    if saved != world_size and world_size > 1:
+    if saved.world_size != world_size and world_size > 1:
         raise CheckpointError(
-            f"this checkpoint was saved by a job of {saved} process(es), and this job has "
-            f"{world_size}",
+            f"this checkpoint was saved by a job of {saved.world_size} process(es), and this "
+            f"job has {world_size}",
             where=where,
-            fix=f"resume with {saved} processes (torchrun --nproc_per_node {saved} ...); to go "
-            f"on with {world_size} anyway, start a new run folder from these weights (the "
-            "data split and the random streams depend on the number of processes, so the "
-            "run would not continue exactly)",
+            fix=f"resume with {saved.world_size} processes (torchrun --nproc_per_node "
+            f"{saved.world_size} ...); to go on with {world_size} anyway, start a new run "
+            "folder from these weights (the data split and the random streams depend on the "
+            "number of processes, so the run would not continue exactly)",
         )
-    if saved != world_size:
+    if saved.world_size != world_size:
         warnings.warn(
-            f"nbresume: the checkpoint at {where} was saved by {saved} processes and is loaded "
-            "by one; it gets rank 0's random state, so training from here is not an exact "
-            "continuation",
+            f"nbresume: the checkpoint at {where} was saved by {saved.world_size} processes and "
+            "is loaded by one; it gets rank 0's random state, so training from here is not an "
+            "exact continuation",
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=6,
         )
-    if rank == 0:
-        return state["rng"]
-    others = state.get("rank_rng")
-    if not isinstance(others, list) or len(others) != saved - 1:
-        raise CorruptCheckpointError("state.json lacks the RNG states of every rank", where=where)
-    return others[rank - 1]
+    return saved.rng if rank == 0 else saved.rank_rng[rank - 1]
+
+
+# -- restore: the plan and the match with live objects ----------------------------------------
+
+_NO_FIT_FIX = (
+    "build the model and optimizer exactly as in the run that saved these checkpoints to "
+    "resume it; to train the changed model from scratch, start a new run: a new run name or "
+    "another dir= (nbresume never starts over on its own)"
+)
+#: Per-parameter optimizer state that has the parameter's shape in torch's own optimizers.
+_PARAMETER_SHAPED = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+     "sum", "exp_inf", "ax", "prev", "step_size", "grad_avg"}
+)  # fmt: skip
+
+
+class _DoesNotFit(CheckpointError):
+    """A checkpoint whose saved objects differ from the live ones (names, shapes, dtypes)."""
+
+    def __init__(
+        self, message: str, *, where: str, fix: str, step: int, differences: list[str]
+    ) -> None:
+        self.step = step
+        self.differences = differences
+        super().__init__(message, where=where, fix=fix)
+
+
+def _no_fit(newest: _DoesNotFit, misfits: list[_DoesNotFit], location: str) -> CheckpointError:
+    """The one error of a restore that found no checkpoint fitting the objects given."""
+    steps = ", ".join(str(m.step) for m in misfits) or str(newest.step)
+    shown = "; ".join(newest.differences[:8])
+    more = f"; and {len(newest.differences) - 8} more" if len(newest.differences) > 8 else ""
+    return CheckpointError(
+        f"no checkpoint in {location} fits the objects given: the model or optimizer "
+        f"changed (checked step(s) {steps}). Step {newest.step} differs: {shown}{more}",
+        where=newest.where,
+        fix=_NO_FIT_FIX,
+    )
+
+
+class _RestorePlan:
+    """A checkpoint checked against the live objects, ready to be put into them."""
+
+    def __init__(self, where: str, saved: SavedState, rng: Any, missing: list[str]) -> None:
+        self.where = where
+        self.saved = saved
+        self.rng = rng
+        self.missing = missing
+
+
+def _is_checked_kind(obj: Any) -> bool:
+    """Whether ``obj``'s saved state is checked against it before anything is loaded: torch
+    modules and optimizers (compared here), and a trainable-only model (whose own load checks
+    everything before it changes anything). Other objects are snapshotted instead."""
+    if isinstance(obj, TrainableOnly):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def _snapshot(obj: Any) -> Any:
+    """A copy of a small object's state to put back if a restore fails (``None`` if it
+    cannot be copied)."""
+    import copy
+
+    try:
+        return copy.deepcopy(obj.state_dict())
+    except Exception:
+        return None
+
+
+def _describe(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
+
+
+def _same_tensor_kind(saved: Any, live: Any) -> bool:
+    if not (hasattr(saved, "shape") and hasattr(saved, "dtype")):
+        return False
+    return tuple(saved.shape) == tuple(live.shape) and saved.dtype == live.dtype
+
+
+def _differences(name: str, obj: Any, tree: Any) -> list[str]:
+    """What differs between the saved state ``tree`` of ``name`` and the live ``obj``."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    if isinstance(obj, torch.nn.Module):
+        return _module_differences(name, obj.state_dict(), tree, torch)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _optimizer_differences(name, obj, tree, torch)
+    return []
+
+
+def _module_differences(name: str, live: Mapping[str, Any], saved: Any, torch: Any) -> list[str]:
+    if not isinstance(saved, Mapping):
+        return [f"{name}: the checkpoint holds a {type(saved).__name__}, not a state_dict"]
+    out = []
+    for key, value in saved.items():
+        if key not in live:
+            out.append(f"{name}.{key} {_describe(value)} is in the checkpoint, not in the model")
+        elif isinstance(live[key], torch.Tensor) and not _same_tensor_kind(value, live[key]):
+            out.append(
+                f"{name}.{key} is {_describe(value)} in the checkpoint, {_describe(live[key])} here"
+            )
+    out += [
+        f"{name}.{key} {_describe(value)} is in the model, not in the checkpoint"
+        for key, value in live.items()
+        if key not in saved
+    ]
+    return out
+
+
+def _optimizer_differences(name: str, obj: Any, saved: Any, torch: Any) -> list[str]:
+    live = obj.state_dict()
+    if (
+        not isinstance(saved, Mapping)
+        or not isinstance(saved.get("state"), Mapping)
+        or not isinstance(saved.get("param_groups"), list)
+        or not all(
+            isinstance(g, Mapping)
+            and isinstance(g.get("params"), list)
+            and all(isinstance(p, int) and not isinstance(p, bool) for p in g["params"])
+            for g in saved["param_groups"]
+        )
+    ):
+        return [f"{name}: the checkpoint does not hold an optimizer's state_dict"]
+    saved_groups, live_groups = saved["param_groups"], live["param_groups"]
+    if len(saved_groups) != len(live_groups):
+        return [
+            f"{name}: {len(saved_groups)} parameter group(s) in the checkpoint, "
+            f"{len(live_groups)} here"
+        ]
+    out = []
+    # torch pairs saved and live parameters by position within the groups.
+    parameters: dict[Any, tuple[Any, Any]] = {}
+    for index, (saved_group, live_group, params) in enumerate(
+        zip(saved_groups, live_groups, obj.param_groups, strict=True)
+    ):
+        if len(saved_group["params"]) != len(live_group["params"]):
+            out.append(
+                f"{name}: parameter group {index} has {len(saved_group['params'])} "
+                f"parameter(s) in the checkpoint, {len(live_group['params'])} here"
+            )
+            continue
+        for saved_id, live_id, parameter in zip(
+            saved_group["params"], live_group["params"], params["params"], strict=True
+        ):
+            parameters[saved_id] = (live_id, parameter)
+    if out:
+        return out
+    builtin = type(obj).__module__.startswith("torch.optim")
+    for saved_id, saved_state in saved["state"].items():
+        if saved_id not in parameters or not isinstance(saved_state, Mapping):
+            out.append(f"{name}: state for parameter {saved_id!r}, which no group holds")
+            continue
+        live_id, parameter = parameters[saved_id]
+        live_state = live["state"].get(live_id)
+        for key, value in saved_state.items():
+            if not isinstance(value, torch.Tensor):
+                if live_state is not None and isinstance(live_state.get(key), torch.Tensor):
+                    out.append(
+                        f"{name}.state[{saved_id}].{key} is a {type(value).__name__} in the "
+                        f"checkpoint, a tensor {_describe(live_state[key])} here"
+                    )
+                continue
+            if live_state is not None and isinstance(live_state.get(key), torch.Tensor):
+                expected = live_state[key]
+                if not _same_tensor_kind(value, expected):
+                    out.append(
+                        f"{name}.state[{saved_id}].{key} is {_describe(value)} in the "
+                        f"checkpoint, {_describe(expected)} here"
+                    )
+            elif builtin and key in _PARAMETER_SHAPED and value.shape != parameter.shape:
+                out.append(
+                    f"{name}.state[{saved_id}].{key} is {_describe(value)} in the checkpoint, "
+                    f"its parameter is {_describe(parameter)} here"
+                )
+        if live_state is not None and set(live_state) != set(saved_state):
+            out.append(
+                f"{name}.state[{saved_id}] holds {sorted(map(str, saved_state))} in the "
+                f"checkpoint, {sorted(map(str, live_state))} here"
+            )
+    return out
 
 
 _STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
     [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []
 )
+
+
+def _check_arguments(
+    dir: object,
+    *,
+    every: object,
+    keep: object,
+    keep_best: object,
+    deadline: object,
+    async_save: object,
+    callbacks: object,
+    storage_options: object,
+    trainable_only: object,
+    state: Mapping[str, Any],
+) -> None:
+    """Check every argument of ``Checkpointer(...)``; raise ArgumentError for the first wrong
+    one, naming it, its value and the fix."""
+    call = "Checkpointer"
+    if not isinstance(dir, Store):
+        check_location(dir, call, "dir")
+    parse_every(every, call)
+    check_keep(call, keep)
+    check_keep_best(call, keep_best)
+    check_deadline(deadline, call)
+    check_bool(call, "async_save", async_save)
+    check_bool(call, "trainable_only", trainable_only)
+    check_callbacks(call, callbacks)
+    check_storage_options(call, storage_options)
+    for name, value in state.items():
+        _check_state_keyword(name, value)
+
+
+def _check_name(name: object) -> None:
+    """A name of checkpointed state: an identifier, and not one of the checkpoint's own."""
+    if not isinstance(name, str) or name in _RESERVED or not name.isidentifier():
+        raise UsageError(
+            f"{name!r} cannot name checkpointed state",
+            fix=f"choose a Python identifier other than {sorted(_RESERVED)}",
+        )
+
+
+def _check_state_keyword(name: str, value: Any) -> None:
+    """A keyword of ``Checkpointer(...)`` that is not an option must be a stateful object or
+    a DataLoader. A plain value there is most often a misspelled option (``evry=2``), which
+    would otherwise be saved as a value and change nothing: it is refused, and the option it
+    resembles is named."""
+    _check_name(name)
+    if _is_dataloader(value) or (not isinstance(value, type) and _is_stateful(value)):
+        return
+    shown = show(value)
+    close = difflib.get_close_matches(name, _options(), n=1)
+    if close:
+        raise refused(
+            "Checkpointer",
+            name,
+            value,
+            f"{name} is not an option of Checkpointer; did you mean {close[0]}=?",
+            f"spell the option {close[0]}=; to save a plain value named {name!r} with the "
+            f"checkpoints, set ckpt[{name!r}] = {shown} after creating the Checkpointer",
+        )
+    if isinstance(value, type) and _is_stateful(value):
+        raise refused(
+            "Checkpointer",
+            name,
+            value,
+            "this is a class, not an object of it",
+            f"pass the object: {name}={value.__name__}(...)",
+        )
+    if value is None:
+        raise refused(
+            "Checkpointer",
+            name,
+            value,
+            "None is not an object to save",
+            f"leave {name}= out when there is no such object",
+        )
+    raise refused(
+        "Checkpointer",
+        name,
+        value,
+        f"{kind(value)} is not a stateful object; the keywords after the options name "
+        "objects with state_dict() and load_state_dict() (a model, an optimizer, ...) and "
+        "DataLoaders",
+        f"set a plain value after creating the Checkpointer: ckpt[{name!r}] = {shown}",
+    )
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def _options() -> list[str]:
+    """The names of Checkpointer's options (its parameters other than ``**state``)."""
+    parameters = inspect.signature(Checkpointer.__init__).parameters.values()
+    return [p.name for p in parameters if p.name != "self" and p.kind is not p.VAR_KEYWORD]
 
 
 def _is_module(value: Any) -> bool:

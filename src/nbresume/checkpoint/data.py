@@ -22,7 +22,7 @@ import hashlib
 import random
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from nbresume.errors import UsageError
 
@@ -140,12 +140,39 @@ def _end_on_sigterm_from_parent() -> None:
             os._exit(0)
 
 
+class EpochLoop(Protocol):
+    """What a :class:`ResumableLoader` tells the loop of :meth:`Checkpointer.epochs` about
+    the batches it hands out (see :mod:`nbresume.checkpoint.checkpointer`)."""
+
+    epoch: int
+
+    def _in_epoch_body(self) -> bool:
+        """Whether the body of an epoch loop is running."""
+
+    def _begin_pass(self, loader: ResumableLoader) -> tuple[int, int] | None:
+        """A pass over ``loader`` begins: its key, or ``None`` outside an epoch loop's body."""
+
+    def _wants_batch(self, loader: ResumableLoader, key: tuple[int, int], exhausted: bool) -> bool:
+        """``loader`` is asked for a batch (``exhausted``: it has none left); True: stop."""
+
+    def _batch_given(self, loader: ResumableLoader) -> None:
+        """``loader`` handed out a batch: it belongs to the running step."""
+
+    def _pass_left(self, loader: ResumableLoader, key: tuple[int, int]) -> None:
+        """The consumer left the pass before its end (``break``); may run in any thread."""
+
+
 class ResumableLoader:
     """A DataLoader wrapper that knows its exact position and resumes there.
 
     Iterating it yields the rest of the current epoch (all of it, unless a checkpoint was
     restored mid-epoch); when an epoch is exhausted the next iteration starts the next epoch.
     :meth:`batches` yields batches forever, epoch after epoch, for step-based loops.
+
+    Inside the body of :meth:`Checkpointer.epochs`, iterating it is one pass over its data
+    for that epoch: every batch belongs to a step, a pass left early (``break``) moves it to
+    the start of its next data epoch, and a pass that had ended before the checkpoint the run
+    resumed from yields nothing.
     """
 
     def __init__(self, loader: Any, *, seed: int | None = None) -> None:
@@ -162,20 +189,30 @@ class ResumableLoader:
         self.seed = int(torch.initial_seed() if seed is None else seed) & (2**63 - 1)
         self.epoch = 0
         self.position = 0  # batches of the current epoch already handed out
-        #: Set by the Checkpointer's epoch loop: called when the previous batch is done, with
-        #: whether it ended the epoch; returns True to stop (the state has been saved).
-        self._on_batch: Callable[[bool], bool] | None = None
-        #: True while the consumer works on the batch it was last handed (its step is running).
-        self._holding = False
+        #: The epoch of the Checkpointer's loop in which the last pass over this loader ended
+        #: (-1: none); a resumed body does not hand out a pass that had ended.
+        self.finished_in = -1
+        #: The epoch loop this loader reports to (set by the Checkpointer; None: standalone).
+        self._on_batch: EpochLoop | None = None
+        #: The key of the pass running or last begun inside an epoch loop (runtime only).
+        self._pass_key: tuple[int, int] | None = None
+        #: Where the Checkpointer created this wrapper: (loop, epoch), or None (runtime only).
+        self._created_in: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "finished_in": self.finished_in,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self.finished_in = state.get("finished_in", -1)  # absent before loop shapes were tracked
 
     def _epoch_indices(self) -> tuple[list[list[int]] | None, list[int] | None]:
         """Batches of indices (custom batch sampler) or sample indices of this epoch."""
@@ -233,19 +270,64 @@ class ResumableLoader:
         )
 
     def __iter__(self) -> Iterator[Any]:
+        loop = self._on_batch
+        key = None if loop is None else loop._begin_pass(self)
+        if loop is None or key is None:
+            yield from self._standalone_pass()
+        else:
+            yield from self._epoch_pass(loop, key)
+
+    def _standalone_pass(self) -> Iterator[Any]:
+        """The rest of the current data epoch, outside an epoch loop (``steps()``, by hand)."""
+        if self.position >= len(self.loader):
+            self.epoch, self.position = self.epoch + 1, 0
+        for batch in self._make_loader(self.position):
+            self.position += 1
+            yield batch
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def _epoch_pass(self, loop: EpochLoop, key: tuple[int, int]) -> Iterator[Any]:
+        """One pass inside the body of epoch ``key[1]`` of the Checkpointer's loop: the loop
+        learns of every batch handed out and of every request for the next one (where steps
+        end and saves happen)."""
+        epoch = key[1]
+        if self.finished_in == epoch:
+            return  # resumed after this pass had ended: the rest of the body runs without it
         total = len(self.loader)
+        if loop._wants_batch(self, key, self.position >= total):
+            return  # the loop is stopping: nothing more is handed out
         if self.position >= total:
             self.epoch, self.position = self.epoch + 1, 0
         for batch in self._make_loader(self.position):
             self.position += 1
-            self._holding = True
-            yield batch
-            self._holding = False
-            if self._on_batch is not None and self._on_batch(self.position >= total):
+            loop._batch_given(self)
+            try:
+                yield batch
+            except GeneratorExit:
+                # Closed at the yield: the consumer left (break, or zip ended on another
+                # loader). Only noted here: a generator can be closed late, by the garbage
+                # collector, in any thread; the loop acts on it at its next control point.
+                loop._pass_left(self, key)
+                raise
+            if loop._wants_batch(self, key, self.position >= total):
                 return  # stopping mid-epoch: the position stays where the checkpoint has it
-        self.epoch, self.position = self.epoch + 1, 0
+        self._end_pass(epoch)
+
+    def _end_pass(self, epoch: int) -> None:
+        """The pass of the loop's ``epoch`` is over (exhausted or left): the next pass starts
+        the next data epoch."""
+        self.epoch, self.position, self.finished_in = self.epoch + 1, 0, epoch
 
     def batches(self) -> Iterator[Any]:
-        """Batches forever, epoch after epoch, from the current position."""
+        """Batches forever, epoch after epoch, from the current position (for ``steps()``
+        loops; inside ``epochs()``, iterate the loader itself)."""
+        loop = self._on_batch
+        if loop is not None and loop._in_epoch_body():
+            raise UsageError(
+                "loader.batches() was called inside the body of ckpt.epochs(): it never ends, "
+                "and an epoch loop counts one pass over the data per epoch",
+                fix="iterate the loader itself inside epochs() (for batch in loader: ...), or "
+                "use ckpt.steps(total) with loader.batches()",
+            )
         while True:
             yield from self

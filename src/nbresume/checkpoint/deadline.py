@@ -59,21 +59,50 @@ def session_deadline() -> tuple[float | None, str]:
     return detect().session_deadline(accelerator_attached())
 
 
+_DEADLINE_FIX = (
+    'deadline="auto" stops before the platform\'s session cap, deadline=3600 or '
+    'deadline="8.5h" that long from now, deadline=None never'
+)
+
+
+def check_deadline(deadline: object, call: str = "Checkpointer") -> float | str | None:
+    """``deadline=`` checked: ``None``, ``"auto"``, or the seconds from now (more than 0)."""
+    from nbresume.checkpoint.arguments import (
+        check_positive_seconds,
+        is_number,
+        kind,
+        refused,
+    )
+    from nbresume.checkpoint.cadence import parse_duration
+
+    if deadline is None:
+        return None
+    if deadline == "auto":
+        return "auto"
+    if is_number(deadline):
+        return check_positive_seconds(call, "deadline", deadline, float(deadline), _DEADLINE_FIX)
+    if not isinstance(deadline, str):
+        problem = f"{kind(deadline)} is not a deadline"
+        raise refused(call, "deadline", deadline, problem, _DEADLINE_FIX)
+    try:
+        seconds = parse_duration(deadline)
+    except ValueError as exc:
+        raise refused(call, "deadline", deadline, str(exc), _DEADLINE_FIX) from None
+    return check_positive_seconds(call, "deadline", deadline, seconds, _DEADLINE_FIX)
+
+
 def resolve_deadline(deadline: float | int | str | None) -> tuple[float | None, str]:
     """An absolute Unix time to stop by, and where it comes from.
 
     ``None``: no deadline. A number: that many seconds from now. A duration string
     (``"8h30min"`` is not supported; ``"8.5h"`` is): likewise. ``"auto"``: the platform cap,
-    counted from the session's real start.
+    counted from the session's real start. Anything else raises
+    :class:`~nbresume.errors.ArgumentError`.
     """
-    from nbresume.checkpoint.cadence import parse_duration
-
-    if deadline is None:
+    seconds = check_deadline(deadline)
+    if seconds is None:
         return None, ""
-    if isinstance(deadline, bool):
-        raise ValueError("deadline= must be 'auto', seconds, a duration or None")
-    if isinstance(deadline, (int, float)):
-        return time.time() + float(deadline), f"deadline={deadline}s"
-    if deadline == "auto":
+    if seconds == "auto":
         return session_deadline()
-    return time.time() + parse_duration(deadline), f"deadline={deadline}"
+    unit = "" if isinstance(deadline, str) else "s"
+    return time.time() + float(seconds), f"deadline={deadline}{unit}"

@@ -67,6 +67,8 @@ from nbresume.checkpoint.store import (
     CheckpointStore,
     LoadedCheckpoint,
     _check_file,
+    _decode_state,
+    _parse_json,
 )
 from nbresume.errors import (
     CheckpointError,
@@ -772,9 +774,14 @@ def load_sharded(
     *,
     step: int | None = None,
     stem: str = DEFAULT_STEM,
+    check: Callable[[LoadedCheckpoint], None] | None = None,
 ) -> LoadedCheckpoint:
     """Load the newest sharded checkpoint that verifies (or exactly the one of ``step``) into
     ``state_dict``, in place, as ``torch.distributed.checkpoint.load`` does.
+
+    ``check`` is called on every rank with the checkpoint's other files, before any shard is
+    loaded: a :class:`CheckpointError` it raises on any rank passes the checkpoint over, as a
+    failed verification does.
 
     Every rank calls it with its own ``state_dict`` (its DTensors receive their shards).
     Returns the checkpoint's other files (``data``, ``tensors``) too. A newer checkpoint that
@@ -815,6 +822,7 @@ def load_sharded(
                 state_dict=state_dict,
                 stem=stem,
                 group=group,
+                check=check,
             )
         except CorruptCheckpointError as exc:
             skipped.append(str(exc))
@@ -846,6 +854,7 @@ def _load_folder(
     state_dict: dict[str, Any],
     stem: str,
     group: _Ranks,
+    check: Callable[[LoadedCheckpoint], None] | None = None,
 ) -> LoadedCheckpoint:
     """Every rank: verify and load one checkpoint, or raise the same error on every rank."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -900,11 +909,13 @@ def _load_folder(
             if kind == "safetensors":
                 loaded.tensors[file_stem] = tensorfile.decode(buffer, where=file_where)
             else:
-                try:
-                    loaded.data[file_stem] = json.loads(str(buffer, "utf-8"))
-                except (UnicodeDecodeError, ValueError, RecursionError):
-                    raise CorruptCheckpointError("not valid JSON", where=file_where) from None
-    except CorruptCheckpointError as exc:
+                loaded.data[file_stem] = _parse_json(buffer, where=file_where)
+        loaded.state = _decode_state(
+            loaded.data, loaded.tensors, where=store.store.child(folder, "state.json")
+        )
+        if check is not None:
+            check(loaded)
+    except CheckpointError as exc:
         problem = str(exc)
     problems = _problems(group, problem)
     if problems:

@@ -5,7 +5,8 @@ of dicts, lists and tuples whose leaves are tensors and plain values. :func:`fla
 every tensor (and NumPy array) into a flat ``{key: tensor}`` dict, destined for a safetensors
 file, and turns the rest into JSON in which the types JSON lacks are tagged::
 
-    {"$t": "tensor", "key": "state/0/exp_avg"}        a tensor stored under that key
+    {"$t": "tensor", "key": "state/0/exp_avg",        a tensor stored under that key,
+     "dtype": "F32", "shape": [16, 8]}                 with its safetensors dtype and shape
     {"$t": "tuple", "items": [...]}                    a tuple (optimizer betas, RNG states)
     {"$t": "dict", "items": [[key, value], ...]}       a dict with non-string keys
     {"$t": "float", "value": "nan"}                    nan, inf, -inf
@@ -23,6 +24,7 @@ import base64
 import math
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbresume.errors import CheckpointError, CorruptCheckpointError
@@ -51,7 +53,7 @@ def flatten(tree: Tree, *, name: str) -> tuple[Tree, dict[str, Any]]:
             if isinstance(value, np.ndarray):
                 key = key_for(path)
                 tensors[key] = value
-                return {TAG: "ndarray", "key": key}
+                return {TAG: "ndarray", "key": key, **_declared(value)}
             if isinstance(value, np.generic):
                 return {TAG: "np", "dtype": value.dtype.str, "value": walk(value.item(), path)}
         if value is None or isinstance(value, (bool, str)):
@@ -65,7 +67,7 @@ def flatten(tree: Tree, *, name: str) -> tuple[Tree, dict[str, Any]]:
         if module.startswith("torch") and type(value).__name__ in ("Tensor", "Parameter"):
             key = key_for(path)
             tensors[key] = value
-            return {TAG: "tensor", "key": key}
+            return {TAG: "tensor", "key": key, **_declared(value)}
         if module.startswith("torch") and type(value).__name__ == "Size":
             return {TAG: "tuple", "items": [int(d) for d in value]}
         if isinstance(value, Mapping):
@@ -92,50 +94,134 @@ def flatten(tree: Tree, *, name: str) -> tuple[Tree, dict[str, Any]]:
     return walk(tree, []), tensors
 
 
-def unflatten(document: Tree, tensors: Mapping[str, Any], *, where: str) -> Tree:
-    """Rebuild the tree that :func:`flatten` split, with ``tensors`` put back in place."""
+#: Deepest nesting of a saved document: far beyond any ``state_dict`` (an optimizer's is 5
+#: levels), far below what would exhaust Python's recursion limit while rebuilding it.
+MAX_DEPTH = 100
+#: Largest NumPy scalar item (a ``np.str_`` of 16 Ki characters is 64 KiB).
+_MAX_NP_ITEMSIZE = 1 << 16
+_NP_KINDS = frozenset("biufcUSmM")
 
-    def bad(reason: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"invalid saved state: {reason}", where=where)
 
-    def walk(value: Tree) -> Any:
+def check_depth(document: Tree, *, where: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse a document nested deeper than ``limit`` (iteratively: never a RecursionError)."""
+    stack: list[tuple[Any, int]] = [(document, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            raise CorruptCheckpointError(
+                f"invalid saved state: nested deeper than {limit} levels", where=where
+            )
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def _declared(value: Any) -> dict[str, Any]:
+    """The dtype and shape a tensor reference declares (checked against the file on load)."""
+    from nbresume.checkpoint.tensorfile import signature
+
+    found = signature(value)
+    return {} if found is None else {"dtype": found[0], "shape": list(found[1])}
+
+
+def unflatten(
+    document: Tree,
+    tensors: Mapping[str, Any],
+    *,
+    where: str,
+    path: str = "",
+    tensors_where: str = "",
+) -> Tree:
+    """Rebuild the tree that :func:`flatten` split, with ``tensors`` put back in place.
+
+    Checks every value first: the nesting depth, known tags only, each in its exact form, and
+    every tensor the document refers to present in ``tensors`` with the dtype and shape the
+    reference declares (``tensors`` may hold :class:`~nbresume.checkpoint.tensorfile.TensorSpec`
+    headers instead of tensors: then only that is checked). Raises
+    :class:`CorruptCheckpointError` naming ``where`` (``tensors_where``, the tensor file, for
+    a tensor that is missing or differs) and the key (``path`` prefixes it).
+    """
+    from nbresume.checkpoint.tensorfile import signature
+
+    check_depth(document, where=where)
+
+    def bad(reason: str, at: list[str], file: str = "") -> CorruptCheckpointError:
+        key = "/".join(p for p in (path, *at) if p)
+        return CorruptCheckpointError(
+            f"invalid saved state at {key or 'the top'!r}: {reason}", where=file or where
+        )
+
+    def tensor_at(value: dict[str, Any], at: list[str]) -> Any:
+        key = value["key"]
+        if not isinstance(key, str) or key not in tensors:
+            raise bad(f"tensor {key!r} is missing", at, tensors_where)
+        tensor = tensors[key]
+        if "dtype" in value:
+            declared = (value["dtype"], value["shape"])
+            found = signature(tensor)
+            if found is None or (found[0], list(found[1])) != declared:
+                shown = "unknown" if found is None else f"{list(found[1])} {found[0]}"
+                raise bad(
+                    f"tensor {key!r} is {shown} in the file, {declared[1]} {declared[0]} in "
+                    "the saved state",
+                    at,
+                    tensors_where,
+                )
+        return tensor
+
+    def walk(value: Tree, at: list[str]) -> Any:
         if isinstance(value, list):
-            return [walk(v) for v in value]
+            return [walk(v, [*at, str(i)]) for i, v in enumerate(value)]
         if not isinstance(value, dict):
             return value
-        tag = value.get(TAG)
-        if tag is None:
-            return {k: walk(v) for k, v in value.items()}
-        if tag in ("tensor", "ndarray"):
-            key = value.get("key")
-            if not isinstance(key, str) or key not in tensors:
-                raise bad(f"tensor {key!r} is missing")
-            tensor = tensors[key]
+        if TAG not in value:
+            return {k: walk(v, [*at, k]) for k, v in value.items()}
+        tag = value[TAG]
+        fields = set(value) - {TAG}
+        if tag in ("tensor", "ndarray") and (
+            fields == {"key"}
+            or (
+                fields == {"key", "dtype", "shape"}
+                and isinstance(value["dtype"], str)
+                and isinstance(value["shape"], list)
+            )
+        ):
+            tensor = tensor_at(value, at)
             return tensor.numpy() if tag == "ndarray" and hasattr(tensor, "numpy") else tensor
         items = value.get("items")
-        if tag == "tuple" and isinstance(items, list):
-            return tuple(walk(v) for v in items)
-        if tag == "dict" and isinstance(items, list):
+        if tag == "tuple" and fields == {"items"} and isinstance(items, list):
+            return tuple(walk(v, [*at, str(i)]) for i, v in enumerate(items))
+        if tag == "dict" and fields == {"items"} and isinstance(items, list):
             if not all(isinstance(p, list) and len(p) == 2 for p in items):
-                raise bad("a dict entry is not a [key, value] pair")
-            return {_hashable(walk(k), bad): walk(v) for k, v in items}
-        if tag == "float" and value.get("value") in ("nan", "inf", "-inf"):
+                raise bad("a dict entry is not a [key, value] pair", at)
+            out = {}
+            for k, v in items:
+                name = walk(k, at)
+                out[_hashable(name, lambda r: bad(r, at))] = walk(v, [*at, str(name)])
+            return out
+        if tag == "float" and fields == {"value"} and value["value"] in ("nan", "inf", "-inf"):
             return float(value["value"])
-        if tag == "bytes" and isinstance(value.get("base64"), str):
+        if tag == "bytes" and fields == {"base64"} and isinstance(value["base64"], str):
             try:
                 return base64.b64decode(value["base64"], validate=True)
             except ValueError:
-                raise bad("bytes are not valid base64") from None
-        if tag == "np":
+                raise bad("bytes are not valid base64", at) from None
+        if tag == "np" and fields == {"dtype", "value"} and isinstance(value["dtype"], str):
             import numpy as np
 
             try:
-                return np.array(walk(value.get("value")), dtype=np.dtype(value.get("dtype")))[()]
-            except (TypeError, ValueError):
-                raise bad("a NumPy scalar cannot be rebuilt") from None
-        raise bad(f"unknown tag {tag!r}")
+                dtype = np.dtype(value["dtype"])
+                if dtype.kind not in _NP_KINDS or dtype.itemsize > _MAX_NP_ITEMSIZE:
+                    raise TypeError(dtype)
+                return np.array(walk(value["value"], at), dtype=dtype)[()]
+            except (TypeError, ValueError, OverflowError):
+                raise bad("a NumPy scalar cannot be rebuilt", at) from None
+        if tag in ("tensor", "ndarray", "tuple", "dict", "float", "bytes", "np"):
+            raise bad(f"a {tag!r} value is malformed", at)
+        raise bad(f"unknown tag {tag!r}", at)
 
-    return walk(document)
+    return walk(document, [])
 
 
 def _hashable(key: Any, bad: Any) -> Any:
@@ -144,6 +230,178 @@ def _hashable(key: Any, bad: Any) -> Any:
     except TypeError:
         raise bad("a dict key is not hashable") from None
     return key
+
+
+# -- the Checkpointer's state document ---------------------------------------------------------
+
+#: The version of the Checkpointer's ``state.json`` document this nbresume reads and writes.
+STATE_VERSION = 1
+
+
+@dataclass
+class SavedState:
+    """A Checkpointer's ``state.json``, checked and rebuilt (tensors in place)."""
+
+    step: int
+    epoch: int
+    total: int | None
+    done: bool
+    objects: dict[str, Any]
+    values: dict[str, Any]
+    rng: Any
+    world_size: int = 1
+    rank_rng: list[Any] = field(default_factory=list)
+    sharded: list[str] = field(default_factory=list)
+
+
+def is_state_document(document: Any) -> bool:
+    """Whether a ``state.json`` document is a Checkpointer's (and not a store user's own)."""
+    return isinstance(document, dict) and bool({"version", "objects"} & document.keys())
+
+
+def decode_state(
+    document: Any, tensors: Mapping[str, Mapping[str, Any]], *, where: str
+) -> SavedState:
+    """Check a Checkpointer's ``state.json`` and rebuild every tree in it.
+
+    ``tensors`` maps a file stem (``model``, ``rng``, ...) to that file's tensors by name; only
+    the keys count when the caller only checks (``verify`` passes the header's specs). Raises
+    :class:`CorruptCheckpointError` naming ``where`` and the key for anything wrong.
+    """
+
+    def bad(reason: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"invalid saved state: {reason}", where=where)
+
+    if not isinstance(document, dict):
+        raise bad("not a JSON object")
+    version = document.get("version")
+    if version != STATE_VERSION or isinstance(version, bool):
+        raise bad(
+            f"'version' is {version!r}; this nbresume reads version {STATE_VERSION} "
+            "(a newer nbresume may have written it: pip install -U nbresume)"
+        )
+
+    def count(key: str, default: Any = None, *, optional: bool = False) -> Any:
+        value = document.get(key, default)
+        if optional and value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad(f"{key!r} is {value!r}, not a non-negative integer")
+        return value
+
+    step, epoch = count("step"), count("epoch")
+    total = count("total", optional=True)
+    done = document.get("done", False)
+    if not isinstance(done, bool):
+        raise bad(f"'done' is {done!r}, not true or false")
+    world_size = count("world_size", 1)
+    if world_size < 1:
+        raise bad("'world_size' is 0")
+    sharded = document.get("sharded", [])
+    if not isinstance(sharded, list) or not all(isinstance(n, str) for n in sharded):
+        raise bad("'sharded' is not a list of names")
+    objects_doc = document.get("objects")
+    if not isinstance(objects_doc, dict):
+        raise bad("'objects' is not an object")
+    folder = where.rsplit("/", 1)[0]
+
+    def rebuild(tree: Any, stem: str, path: str) -> Any:
+        return unflatten(
+            tree,
+            tensors.get(stem, {}),
+            where=where,
+            path=path,
+            tensors_where=f"{folder}/{stem}.safetensors",
+        )
+
+    objects = {name: rebuild(tree, name, f"objects/{name}") for name, tree in objects_doc.items()}
+    values = rebuild(document.get("values", {}), "values", "values")
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise bad("'values' is not an object")
+    if "rng" not in document:
+        raise bad("'rng' is missing")
+    rng = rebuild(document["rng"], "rng", "rng")
+    others = document.get("rank_rng", [])
+    if not isinstance(others, list) or (world_size > 1 and len(others) != world_size - 1):
+        raise bad("'rank_rng' does not hold the RNG states of every rank")
+    rank_rng = [rebuild(tree, "rng", f"rank_rng/{i}") for i, tree in enumerate(others)]
+    for index, tree in enumerate([rng, *rank_rng]):
+        if not isinstance(tree, dict):
+            raise bad(f"the RNG state of rank {index} is not an object")
+        check_rng(tree, where=where)
+    return SavedState(
+        step=step,
+        epoch=epoch,
+        total=total,
+        done=done,
+        objects=objects,
+        values=values,
+        rng=rng,
+        world_size=world_size,
+        rank_rng=rank_rng,
+        sharded=sharded,
+    )
+
+
+def check_rng(state: Mapping[str, Any], *, where: str) -> None:
+    """Refuse RNG states that :func:`restore_rng` could not put back, without touching the
+    process's generators (each state is tried on a generator of its own). Tensors may be
+    :class:`~nbresume.checkpoint.tensorfile.TensorSpec` headers (``verify``): their dtype and
+    rank are checked, and torch is not imported for them."""
+    from nbresume.checkpoint.tensorfile import TensorSpec
+
+    try:
+        if "python" in state:
+            version, internal, gauss = state["python"]
+            random.Random().setstate((version, tuple(internal), gauss))  # noqa: S311
+        if "numpy" in state:
+            import numpy as np
+
+            numpy_state = tuple(_numpy_stand_in(v) for v in state["numpy"])
+            np.random.RandomState().set_state(numpy_state)
+        if "torch" in state:
+            torch_state = state["torch"]
+            if isinstance(torch_state, TensorSpec):
+                if not _is_byte_tensor(torch_state):
+                    raise TypeError("the torch RNG state is not a byte tensor")
+            else:
+                import torch
+
+                torch.Generator().set_state(torch_state)
+        cuda = state.get("cuda")
+        if cuda is not None and (
+            not isinstance(cuda, list) or not all(_is_byte_tensor(t) for t in cuda)
+        ):
+            raise TypeError("the CUDA RNG states are not byte tensors")
+    except Exception as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CorruptCheckpointError(
+            f"invalid saved state: an RNG state cannot be restored ({reason})", where=where
+        ) from None
+
+
+def _numpy_stand_in(value: Any) -> Any:
+    """A zero array in place of a small tensor header, so NumPy can check the rest."""
+    from nbresume.checkpoint.tensorfile import _DTYPES, TensorSpec
+
+    if not isinstance(value, TensorSpec):
+        return value
+    import numpy as np
+
+    np_dtype = _DTYPES[value.dtype][2]
+    if np_dtype is None or value.end - value.start > 1 << 20:
+        raise TypeError(f"a {value.dtype} tensor of shape {list(value.shape)}")
+    return np.zeros(value.shape, dtype=np_dtype)
+
+
+def _is_byte_tensor(value: Any) -> bool:
+    from nbresume.checkpoint.tensorfile import TensorSpec
+
+    if isinstance(value, TensorSpec):
+        return value.dtype == "U8" and len(value.shape) == 1
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
 
 
 # -- random number generators ---------------------------------------------------------------

@@ -55,6 +55,17 @@ class Store(ABC):
     reports_md5: bool = False
     #: Seconds between two :meth:`durability` checks of a checkpoint still uploading.
     durability_poll_s: float = 5.0
+    #: Whether :meth:`create_small` is atomic (``O_EXCL`` on POSIX). On object stores two
+    #: processes creating the same file can both succeed: the last write wins.
+    atomic_create: bool = False
+    #: Seconds after its last renewal at which a writer lease taken on this store counts as
+    #: abandoned, when the holder's process cannot be looked at (another machine); ``None``:
+    #: :data:`nbresume.checkpoint.lease.LEASE_EXPIRY_S`.
+    lease_expiry_s: float | None = None
+    #: Set by the writer that holds this folder's lease (:mod:`nbresume.checkpoint.lease`):
+    #: called before anything that removes or commits a folder, it raises when that writer
+    #: lost the lease. ``None`` (readers, and writers without a lease): nothing is checked.
+    writer_check: Callable[[], None] | None = None
 
     @property
     @abstractmethod
@@ -132,6 +143,31 @@ class Store(ABC):
             while chunk := handle.read(READ_CHUNK):
                 yield chunk
 
+    def _check_writer(self) -> None:
+        if self.writer_check is not None:
+            self.writer_check()
+
+    # -- small files directly below the root (the writer lease) ---------------------------
+
+    @abstractmethod
+    def read_small(self, name: str) -> bytes | None:
+        """The bytes of the small file ``name`` directly below the root (at most
+        :data:`SMALL_FILE_LIMIT`), or ``None`` when there is none."""
+
+    @abstractmethod
+    def create_small(self, name: str, data: bytes) -> bool:
+        """Create the small file ``name`` below the root, creating the root if needed; return
+        False, writing nothing, when it exists already (atomic where :attr:`atomic_create`)."""
+
+    @abstractmethod
+    def replace_small(self, name: str, data: bytes) -> None:
+        """Write the small file ``name`` below the root, replacing any earlier one (readers see
+        the old bytes or the new, never a mix, on POSIX)."""
+
+    @abstractmethod
+    def remove_small(self, name: str) -> None:
+        """Remove the small file ``name`` below the root, if it is there."""
+
 
 def read_into(handle: IO[bytes], view: memoryview) -> int:
     """Fill ``view`` from ``handle``; return how many bytes were read (fewer only at the end
@@ -163,10 +199,15 @@ def _token() -> str:
     return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
+#: The most bytes :meth:`Store.read_small` reads: a lease is a few hundred.
+SMALL_FILE_LIMIT = 64 << 10
+
+
 class LocalStore(Store):
     """A folder on a POSIX file system: temporary sibling folder, fsync, atomic rename."""
 
     atomic_rename = True
+    atomic_create = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser()
@@ -182,11 +223,20 @@ class LocalStore(Store):
         except FileNotFoundError:
             return []
         except NotADirectoryError:
-            raise StorageError(
-                "this is a file, not a folder",
-                where=str(self.root),
-                fix="choose a folder for the checkpoints (it is created if it does not exist)",
-            ) from None
+            raise self._not_a_folder() from None
+
+    def _not_a_folder(self) -> StorageError:
+        return StorageError(
+            "this is a file, not a folder",
+            where=str(self.root),
+            fix="choose a folder for the checkpoints (it is created if it does not exist)",
+        )
+
+    def _make_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise self._not_a_folder() from None
 
     def list_files(self, folder: str) -> list[str]:
         with os.scandir(self.root / folder) as entries:
@@ -209,6 +259,7 @@ class LocalStore(Store):
             handle.close()
 
     def commit(self, folder: str, final: str) -> None:
+        self._check_writer()
         _fsync_dir(self.root / folder)
         target = self.root / final
         replaced: Path | None = None
@@ -237,6 +288,7 @@ class LocalStore(Store):
     def delete(self, folder: str) -> None:
         # One atomic rename takes the checkpoint out of every reader's view; the slow removal
         # happens afterwards, and a kill in the middle of it leaves only a hidden folder.
+        self._check_writer()
         doomed = self.root / f"{DELETING_PREFIX}{folder}-{_token()}"
         os.rename(self.root / folder, doomed)
         _fsync_dir(self.root)
@@ -246,6 +298,7 @@ class LocalStore(Store):
         shutil.rmtree(self.root / folder, ignore_errors=True)
 
     def recover(self, current: str) -> list[str]:
+        self._check_writer()
         cleaned = []
         for name in self.list_folders():
             if name == current or not name.startswith((TEMP_PREFIX, RETIRED_PREFIX)):
@@ -272,6 +325,43 @@ class LocalStore(Store):
         # f_favail is 0 on file systems without inode accounting (some FUSE mounts): unknown.
         inodes = st.f_favail if st.f_files else None
         return FreeSpace(st.f_bavail * st.f_frsize, inodes)
+
+    def read_small(self, name: str) -> bytes | None:
+        try:
+            with self.open_read("", name) as handle:
+                return handle.read(SMALL_FILE_LIMIT)
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            raise self._not_a_folder() from None
+
+    def create_small(self, name: str, data: bytes) -> bool:
+        self._make_root()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.root / name, flags, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)  # a few hundred bytes: one write
+        return True
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        self._make_root()
+        # Written aside, then renamed over: readers never see a half-written file. A kill in
+        # between leaves only the small file aside (a file: recover() looks at folders only).
+        aside = self.root / f"{name}.{_token()}.tmp"
+        try:
+            with open(aside, "xb") as handle:
+                handle.write(data)
+            os.replace(aside, self.root / name)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(aside)
+
+    def remove_small(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / name)
 
 
 _FSYNC_REFUSED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES}
@@ -312,6 +402,10 @@ class FsspecStore(Store):
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.fs = fs
         self.root = (root or "").rstrip("/")
+        # memory:// lives in this process alone: no other process can create a file between
+        # our look and our write.
+        protocol = getattr(fs, "protocol", "")
+        self.atomic_create = "memory" in ((protocol,) if isinstance(protocol, str) else protocol)
 
     @property
     def location(self) -> str:
@@ -360,6 +454,7 @@ class FsspecStore(Store):
         handle.close()
 
     def commit(self, folder: str, final: str) -> None:
+        self._check_writer()
         if folder != final:
             raise AssertionError(f"an fsspec store writes in place, got {folder!r} for {final!r}")
 
@@ -374,6 +469,7 @@ class FsspecStore(Store):
     def delete(self, folder: str) -> None:
         # The manifest goes first: from then on the folder is not a checkpoint, whatever is
         # left of it if we are interrupted.
+        self._check_writer()
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(folder, MANIFEST_NAME))
         self.discard(folder)
@@ -386,6 +482,7 @@ class FsspecStore(Store):
         # Step folders without a manifest are writes that never committed.
         from nbresume.checkpoint.format import parse_step_dirname
 
+        self._check_writer()
         cleaned = []
         for name in self.list_folders():
             if name == current:
@@ -397,6 +494,33 @@ class FsspecStore(Store):
                 self.discard(name)
                 cleaned.append(name)
         return cleaned
+
+    def read_small(self, name: str) -> bytes | None:
+        path = self._path(name)
+        self.fs.invalidate_cache(path)
+        try:
+            data: bytes = self.fs.cat_file(path, start=0, end=SMALL_FILE_LIMIT)
+        except FileNotFoundError:
+            return None
+        return data
+
+    def create_small(self, name: str, data: bytes) -> bool:
+        # No atomic create-if-absent across fsspec backends: between this look and the write
+        # another process may create the file too, and the last write wins. Callers that need
+        # to be the only creator read the file back after a pause (see the writer lease).
+        if self.read_small(name) is not None:
+            return False
+        self.replace_small(name, data)
+        return True
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        if self.root:
+            self.fs.makedirs(self.root, exist_ok=True)
+        self.fs.pipe_file(self._path(name), data)
+
+    def remove_small(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(name))
 
 
 #: Functions that may claim a local folder for a store of their own (importing
@@ -413,7 +537,7 @@ def open_store(
     ``storage_options`` are passed to the fsspec file system of a URL, for example
     ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for ``s3://``.
     """
-    text = os.fspath(location)
+    text = check_location(location)
     local = "://" not in text or text.split("://", 1)[0] in ("file", "local")
     if local and storage_options:
         raise UsageError(
@@ -429,7 +553,66 @@ def open_store(
             if claimed is not None:
                 return claimed
         return LocalStore(path)
-    return FsspecStore(text, storage_options=storage_options)
+    try:
+        return FsspecStore(text, storage_options=storage_options)
+    except ImportError as exc:
+        module = exc.name or _protocol_module(text)
+        extra = ' (or pip install "nbresume[s3]")' if module == "s3fs" else ""
+        raise UsageError(
+            f"the file system of {text} is not installed: {exc}",
+            where=text,
+            fix=f"pip install {module}{extra}" if module else "install fsspec's package for it",
+        ) from None
+
+
+def check_location(location: object, call: str = "Checkpointer", argument: str = "dir") -> str:
+    """``location`` as a str: a local folder or an fsspec URL of a known scheme; anything
+    else (``None``, ``""``, a number, ``"nosuchscheme://x"``) raises ArgumentError."""
+    from nbresume.checkpoint.arguments import kind, refused
+
+    fix = (
+        f'{argument}="runs/exp1" (a folder, created when needed), a pathlib.Path, or a URL '
+        f'such as {argument}="s3://bucket/exp1"'
+    )
+    if location is None:
+        raise refused(call, argument, location, "a folder is needed for the checkpoints", fix)
+    if not isinstance(location, (str, os.PathLike)):
+        raise refused(call, argument, location, f"{kind(location)} is not a folder", fix)
+    text = os.fspath(location)
+    if not isinstance(text, str):
+        raise refused(call, argument, location, "a path of bytes is not taken", fix)
+    if not text.strip():
+        # Path("") is the current folder: retention would then delete checkpoints there.
+        raise refused(call, argument, location, "an empty path names no folder", fix)
+    if "://" in text:
+        import fsspec
+
+        known = set(fsspec.available_protocols())
+        for part in text.split("::"):
+            scheme = part.split("://", 1)[0] if "://" in part else ""
+            if scheme and scheme not in known:
+                raise refused(
+                    call,
+                    argument,
+                    location,
+                    f"{scheme}:// is not a URL scheme fsspec knows",
+                    f"use a local folder, or one of fsspec's schemes ({_some_schemes(known)})",
+                )
+    return text
+
+
+def _some_schemes(known: set[str]) -> str:
+    common = ["file", "memory", "s3", "gs", "az", "hf", "sftp", "http"]
+    return ", ".join(f"{name}://" for name in common if name in known) + ", ..."
+
+
+def _protocol_module(url: str) -> str:
+    """The module that implements the scheme of ``url`` (``"s3fs"`` for ``s3://``), or ``""``."""
+    from fsspec.registry import known_implementations
+
+    scheme = url.split("::", 1)[0].split("://", 1)[0]
+    entry = known_implementations.get(scheme, {})
+    return str(entry.get("class", "")).split(".", 1)[0]
 
 
 def _register_platform_hooks(path: Path) -> None:

@@ -47,7 +47,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import IO, Any
 
+from nbresume.checkpoint import state as state_document
 from nbresume.checkpoint import tensorfile
+from nbresume.checkpoint.arguments import (
+    check_bool,
+    check_keep,
+    check_keep_best,
+    check_storage_options,
+)
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -60,7 +67,9 @@ from nbresume.checkpoint.format import (
 )
 from nbresume.checkpoint.storage import (
     READ_CHUNK,
+    LocalStore,
     Store,
+    check_location,
     handle_size,
     open_store,
     read_into,
@@ -85,6 +94,8 @@ THREAD_MIN_BYTES = 1 << 20
 _HUGE_PAGE_MIN_BYTES = 2 << 20
 #: Buffers kept for comparing pieces of files read back (one per piece size).
 _READ_BACK_BUFFERS = 4
+#: Largest JSON file of a checkpoint (a sharded checkpoint's metadata is the largest one).
+MAX_JSON_BYTES = 256 << 20
 
 Buffer = bytes | bytearray | memoryview
 
@@ -160,6 +171,8 @@ class LoadedCheckpoint:
     data: dict[str, Any] = field(default_factory=dict)
     #: Newer checkpoints that failed verification and were passed over, newest first.
     skipped: list[VerifyResult] = field(default_factory=list)
+    #: ``state.json`` checked and rebuilt, when it is a Checkpointer's (else ``None``).
+    state: state_document.SavedState | None = None
 
 
 KeepBest = tuple[str, str] | tuple[str, str, int]
@@ -190,16 +203,19 @@ class CheckpointStore:
         check_space: bool = True,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        # Every argument is checked before the store is opened.
+        call = "CheckpointStore"
+        self.keep = check_keep(call, keep)
+        self.keep_best = _check_keep_best(keep_best, call)
+        md5 = check_bool(call, "md5", md5)
+        self.check_space = check_bool(call, "check_space", check_space)
+        storage_options = check_storage_options(call, storage_options)
         if isinstance(location, Store):
             self.store = location
         else:
+            check_location(location, call, "location")
             self.store = open_store(location, storage_options=storage_options)
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}")
-        self.keep = keep
-        self.keep_best = _check_keep_best(keep_best)
         self.md5 = md5 or self.store.reports_md5
-        self.check_space = check_space
 
     @property
     def location(self) -> str:
@@ -495,6 +511,10 @@ class CheckpointStore:
                 "no manifest: the checkpoint was never committed", where=self.store.child(name)
             ) from None
         except OSError as exc:
+            if exc.errno == errno.EINVAL:  # a FIFO, a link or a folder: never opened
+                raise CorruptCheckpointError(
+                    "the manifest is not a regular file (a FIFO, a link or a folder)", where=where
+                ) from None
             raise CorruptCheckpointError(f"cannot read the manifest: {exc}", where=where) from None
         return parse_manifest(bytes(raw), where=where, expected_step=step)
 
@@ -508,6 +528,20 @@ class CheckpointStore:
                 continue
             infos.append(CheckpointInfo(step, name, self.store.child(name), manifest))
         return infos
+
+    def broken(self) -> builtins.list[VerifyResult]:
+        """Step folders that hold something named ``manifest.json`` that is not a valid
+        manifest (one that is not a regular file, or does not parse), oldest first: broken
+        checkpoints, which :meth:`list` leaves out. Nothing is hashed."""
+        found = []
+        for step, name in reversed(self._checkpoint_folders()):
+            if not self._has_manifest(name):
+                continue
+            try:
+                self._read_manifest(name, step)
+            except CorruptCheckpointError as exc:
+                found.append(VerifyResult(name, step, self.store.child(name), False, str(exc)))
+        return found
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint (its files are not re-hashed; see :meth:`verify`)."""
@@ -547,11 +581,15 @@ class CheckpointStore:
             if expected_manifest is not None and manifest.to_bytes() != expected_manifest:
                 raise CorruptCheckpointError("the manifest read back differs", where=location)
             buffers = _ReadBackBuffers()
+            heads: dict[str, bytes] = {}
             for file_name, entry in manifest.files.items():
                 if expected_manifest is not None and written and file_name in written:
                     self._compare_file(name, file_name, entry, written[file_name], buffers)
                 else:
-                    self._hash_file(name, file_name, entry)
+                    heads[file_name] = self._hash_file(name, file_name, entry)
+            if expected_manifest is None:
+                # What restore would refuse, verify reports: headers, JSON, references.
+                self._check_contents(name, manifest, heads)
         except CorruptCheckpointError as exc:
             return VerifyResult(name, step, location, ok=False, problem=str(exc))
         except FileNotFoundError as exc:
@@ -592,10 +630,13 @@ class CheckpointStore:
                 size += 1
         _check_size(where, entry, size)
 
-    def _hash_file(self, name: str, file_name: str, entry: FileEntry) -> None:
+    def _hash_file(self, name: str, file_name: str, entry: FileEntry) -> bytes:
         """Read a file back and check its size and hashes against ``entry``: each piece is
-        hashed in a thread while the next one is read."""
+        hashed in a thread while the next one is read. Returns the bytes that its contents
+        check needs (the header of a safetensors file, all of a JSON file), kept as read."""
         where = self.store.child(name, file_name)
+        _check_json_size(where, file_name, entry)
+        head = _Head(file_name, entry.size)
         capacity = min(READ_CHUNK, entry.size + 1)  # one byte more shows a file too large
         ring: list[bytearray] = []
         digests = _Digests(md5=entry.md5 is not None, threaded=entry.size >= THREAD_MIN_BYTES)
@@ -611,6 +652,7 @@ class CheckpointStore:
                     count = read_into(handle, buffer)
                     if count:
                         digests.update(buffer[:count])
+                        head.feed(buffer[:count])
                         size += count
                     if count < capacity or size > entry.size:
                         break
@@ -618,6 +660,23 @@ class CheckpointStore:
         finally:
             digests.cancel()
         _check_hashes(where, entry, size, sha256, md5)
+        return bytes(head.data)
+
+    def _check_contents(self, name: str, manifest: Manifest, heads: Mapping[str, bytes]) -> None:
+        """Check what a load would parse, from the heads :meth:`_hash_file` kept: every
+        safetensors header against its file's size, every JSON file, and a Checkpointer's
+        ``state.json`` with every tensor it refers to."""
+        specs: dict[str, dict[str, Any]] = {}
+        documents: dict[str, Any] = {}
+        for file_name, head in heads.items():
+            where = self.store.child(name, file_name)
+            stem, kind = file_name.rsplit(".", 1)
+            if kind == "safetensors":
+                total = manifest.files[file_name].size
+                _, specs[stem], _ = tensorfile.parse_header(head, where=where, total=total)
+            else:
+                documents[stem] = _parse_json(head, where=where)
+        _decode_state(documents, specs, where=self.store.child(name, f"{_STATE_FILE}.json"))
 
     def _read_verified(self, name: str, files: Mapping[str, FileEntry]) -> dict[str, memoryview]:
         """Every file of ``files`` read once into a buffer of its own, its size and hashes
@@ -638,11 +697,22 @@ class CheckpointStore:
                             md5=entry.md5 is not None, threaded=entry.size >= THREAD_MIN_BYTES
                         )
                         pending.append((file_name, entry, memoryview(b""), 0, digests))
+                        _check_json_size(where, file_name, entry)
                         if known is None:
                             buffer, size = _read_unsized(handle, entry.size, digests)
                         else:
+                            # A safetensors header is read and checked against the size
+                            # first: a file that claims more bytes than its tensors account
+                            # for (a sparse file of gigabytes) is refused before the rest is
+                            # read, so memory is bounded by what is valid.
+                            head = b""
+                            if file_name.endswith(".safetensors"):
+                                head = read_header(handle, entry.size, where=where)
                             buffer = _new_buffer(min(known, entry.size))
-                            size = _read_hashing(handle, buffer, digests)
+                            buffer[: len(head)] = head
+                            if head:
+                                digests.update(buffer[: len(head)])
+                            size = len(head) + _read_hashing(handle, buffer[len(head) :], digests)
                             if size == entry.size and handle.read(1):
                                 size += 1  # more bytes than the manifest says
                 except FileNotFoundError:
@@ -664,14 +734,27 @@ class CheckpointStore:
             for *_, digests in pending:
                 digests.cancel()
 
-    def load(self, step: int | None = None, *, framework: str = "torch") -> LoadedCheckpoint:
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        framework: str = "torch",
+        check: Callable[[LoadedCheckpoint], None] | None = None,
+    ) -> LoadedCheckpoint:
         """The newest checkpoint that verifies (or exactly the one of ``step``).
 
         Every file is read once: its hash is checked against the manifest before it is parsed.
         A newer checkpoint that fails is skipped with a warning naming the file and the reason.
         Raises :class:`NoCheckpointError` when none verifies.
+
+        ``check`` is called with each checkpoint that verified, before it is returned (a
+        restore validates it against the live objects there). A
+        :class:`CorruptCheckpointError` it raises passes the checkpoint over like a failed
+        verification; any other :class:`CheckpointError` (the checkpoint does not fit) passes
+        it over too, and is raised, the newest one, when no older checkpoint is usable.
         """
         skipped: list[VerifyResult] = []
+        misfit: CheckpointError | None = None
         candidates = [(s, n) for s, n in self._checkpoint_folders() if step is None or s == step]
         for found_step, name in candidates:
             try:
@@ -685,16 +768,29 @@ class CheckpointStore:
                     VerifyResult(name, found_step, self.store.child(name), False, str(exc))
                 )
                 continue
+            if check is not None:
+                try:
+                    check(loaded)
+                except CheckpointError as exc:
+                    if not isinstance(exc, CorruptCheckpointError):
+                        misfit = misfit or exc
+                    skipped.append(
+                        VerifyResult(name, found_step, self.store.child(name), False, str(exc))
+                    )
+                    continue
             loaded.skipped = skipped
             if skipped:
                 message = "; ".join(r.problem for r in skipped)
+                reason = "failed verification" + (" or do not fit" if misfit else "")
                 warnings.warn(
-                    f"nbresume: skipped {len(skipped)} newer checkpoint(s) that failed "
-                    f"verification ({message}); using step {found_step}",
+                    f"nbresume: skipped {len(skipped)} newer checkpoint(s) that {reason} "
+                    f"({message}); using step {found_step}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
             return loaded
+        if misfit is not None:
+            raise misfit  # the objects changed: that, not corruption, is what to report
         if step is not None and not skipped:
             raise NoCheckpointError(f"there is no checkpoint of step {step}", where=self.location)
         if skipped:
@@ -707,6 +803,17 @@ class CheckpointStore:
         raise NoCheckpointError("there is no checkpoint yet", where=self.location)
 
     def _has_manifest(self, name: str) -> bool:
+        """Whether the folder holds anything named ``manifest.json``. One that is not a
+        regular file (a FIFO, a link, a folder) makes a broken checkpoint, never a save that
+        did not commit: it is reported, not passed over in silence (and never opened)."""
+        if isinstance(self.store, LocalStore):
+            try:
+                os.lstat(self.store.root / name / MANIFEST_NAME)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            except OSError:
+                return True  # cannot tell: report the folder rather than pass over it
+            return True
         try:
             return MANIFEST_NAME in self.store.list_files(name)
         except FileNotFoundError:
@@ -717,7 +824,8 @@ class CheckpointStore:
     def _load_folder(self, step: int, name: str, framework: str) -> LoadedCheckpoint:
         manifest = self._read_manifest(name, step)
         loaded = LoadedCheckpoint(step, self.store.child(name), manifest)
-        # Nothing is parsed before every file's hash matched.
+        # Nothing is parsed before every file's hash matched (a safetensors header excepted:
+        # it is checked against the file's size before the tensor bytes are read).
         buffers = self._read_verified(name, manifest.files)
         for file_name, buffer in buffers.items():
             where = self.store.child(name, file_name)
@@ -725,10 +833,10 @@ class CheckpointStore:
             if kind == "safetensors":
                 loaded.tensors[stem] = tensorfile.decode(buffer, where=where, framework=framework)
             else:
-                try:
-                    loaded.data[stem] = json.loads(str(buffer, "utf-8"))
-                except (UnicodeDecodeError, ValueError, RecursionError):
-                    raise CorruptCheckpointError("not valid JSON", where=where) from None
+                loaded.data[stem] = _parse_json(buffer, where=where)
+        loaded.state = _decode_state(
+            loaded.data, loaded.tensors, where=self.store.child(name, f"{_STATE_FILE}.json")
+        )
         return loaded
 
     # -- retention -----------------------------------------------------------------------
@@ -748,8 +856,13 @@ class CheckpointStore:
         :meth:`verify` and never deleted here. On a write-back store (Google Drive's mount)
         only checkpoints that the durable store confirmed count as kept.
         """
-        keep = self.keep if keep is None else keep
-        best = self.keep_best if keep_best is None else _check_keep_best(keep_best)
+        keep = self.keep if keep is None else check_keep("CheckpointStore.prune", keep)
+        best = (
+            self.keep_best
+            if keep_best is None
+            else _check_keep_best(keep_best, "CheckpointStore.prune")
+        )
+        verify_kept = check_bool("CheckpointStore.prune", "verify_kept", verify_kept)
         if keep is None:
             return []
         infos = self.list()  # oldest first
@@ -817,6 +930,87 @@ def _check_hashes(where: str, entry: FileEntry, size: int, sha256: str, md5: str
         raise CorruptCheckpointError("sha256 mismatch: the file's bytes have changed", where=where)
     if md5 is not None and md5 != entry.md5:
         raise CorruptCheckpointError("md5 mismatch: the file's bytes have changed", where=where)
+
+
+#: The Checkpointer's state document (``state.json``), checked by load and verify alike,
+#: and its generator states (``rng.safetensors``).
+_STATE_FILE = "state"
+_RNG_FILE = "rng"
+
+
+def _parse_json(buffer: Buffer, *, where: str) -> Any:
+    """A JSON file of a checkpoint, its nesting bounded (nothing later can recurse too deep)."""
+    try:
+        document = json.loads(str(buffer, "utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpointError("not valid JSON", where=where) from None
+    state_document.check_depth(document, where=where)
+    return document
+
+
+def _decode_state(
+    documents: Mapping[str, Any], tensors: Mapping[str, Mapping[str, Any]], *, where: str
+) -> state_document.SavedState | None:
+    """A Checkpointer's ``state.json`` checked against the tensors it refers to (``None``
+    when the checkpoint has none: a store user's own files). A ``state.json`` next to an
+    ``rng.safetensors`` is a Checkpointer's whatever it holds, so that a document replaced
+    by something else entirely is refused here too."""
+    if _STATE_FILE not in documents:
+        return None
+    document = documents[_STATE_FILE]
+    if not state_document.is_state_document(document) and _RNG_FILE not in tensors:
+        return None
+    return state_document.decode_state(document, tensors, where=where)
+
+
+def _check_json_size(where: str, file_name: str, entry: FileEntry) -> None:
+    if file_name.endswith(".json") and entry.size > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(
+            f"the manifest says {entry.size} bytes, more than the limit of {MAX_JSON_BYTES} "
+            "for a JSON file",
+            where=where,
+        )
+
+
+def read_header(handle: IO[bytes], total: int, *, where: str) -> bytes:
+    """The first bytes of a safetensors file up to the end of its header, the header checked
+    against a file of ``total`` bytes. A file cut short returns what it has (its size check
+    then says so)."""
+    prefix = bytearray(8)
+    if total < 8:
+        tensorfile.header_length(prefix, total, where=where)  # raises: too short for a header
+    count = read_into(handle, memoryview(prefix))
+    if count < 8:
+        return bytes(prefix[:count])
+    header_len = tensorfile.header_length(prefix, total, where=where)
+    head = prefix + bytearray(header_len)
+    count = read_into(handle, memoryview(head)[8:])
+    if count < header_len:
+        return bytes(head[: 8 + count])
+    tensorfile.parse_header(head, where=where, total=total)
+    return bytes(head)
+
+
+class _Head:
+    """The start of a file as it is read in pieces: a safetensors file's length prefix and
+    header, or a whole JSON file (other files: nothing)."""
+
+    def __init__(self, file_name: str, size: int) -> None:
+        self.data = bytearray()
+        self._tensors = file_name.endswith(".safetensors")
+        self._size = size
+        self._want = 8 if self._tensors else size if file_name.endswith(".json") else 0
+
+    def feed(self, piece: memoryview) -> None:
+        offset = 0
+        while len(self.data) < self._want and offset < piece.nbytes:
+            take = self._want - len(self.data)
+            self.data += piece[offset : offset + take]
+            offset += take
+            if self._tensors and self._want == 8 and len(self.data) == 8:
+                length = int.from_bytes(self.data, "little")
+                if length <= tensorfile.MAX_HEADER_BYTES and 8 + length <= self._size:
+                    self._want = 8 + length  # else the header check refuses the 8 bytes
 
 
 def _new_buffer(size: int) -> memoryview:
@@ -1026,16 +1220,12 @@ class _ReadBackBuffers:
         return buffer
 
 
-def _check_keep_best(keep_best: KeepBest | None) -> tuple[str, str, int] | None:
-    if keep_best is None:
-        return None
-    metric, mode = keep_best[0], keep_best[1]
-    count = keep_best[2] if len(keep_best) == 3 else 0
-    if mode not in ("min", "max"):
-        raise ValueError(f"keep_best mode must be 'min' or 'max', got {mode!r}")
-    if not isinstance(count, int) or count < 0:
-        raise ValueError(f"keep_best count must be a positive integer, got {count!r}")
-    return str(metric), mode, count
+def _check_keep_best(
+    keep_best: object, call: str = "CheckpointStore"
+) -> tuple[str, str, int] | None:
+    """``(metric, mode, count)``, count 0 where not given (``keep`` applies); raises
+    ArgumentError naming the value."""
+    return check_keep_best(call, keep_best)
 
 
 def _finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

@@ -21,6 +21,8 @@ from typing import Any, TypeGuard
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # the official library's own limit
+#: Most dimensions a tensor may have (NumPy builds no more than 64).
+MAX_DIMS = 64
 _ALIGN = 8
 
 # safetensors dtype name -> (itemsize, torch dtype attribute, numpy dtype or None)
@@ -108,6 +110,25 @@ def _numpy_to_raw(array: Any, name: str) -> RawTensor:
     return RawTensor(st_dtype, tuple(int(d) for d in array.shape), flat.view(np.uint8).data)
 
 
+def signature(value: Any) -> tuple[str, tuple[int, ...]] | None:
+    """The safetensors dtype name and the shape of a torch tensor, a NumPy array or a
+    :class:`TensorSpec` (``None`` for anything else, or a dtype safetensors cannot hold)."""
+    if isinstance(value, TensorSpec):
+        return value.dtype, value.shape
+    module = type(value).__module__
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    if module.startswith("torch"):
+        name = _TORCH_NAME_TO_ST.get(str(dtype).removeprefix("torch."))
+    elif module.startswith("numpy"):
+        name = _NUMPY_KIND_TO_ST.get((dtype.kind, dtype.itemsize))
+    else:
+        return None
+    return None if name is None else (name, tuple(int(d) for d in shape))
+
+
 @dataclass(frozen=True)
 class EncodedFile:
     """A safetensors file ready to stream: its header bytes and the tensor buffers in order."""
@@ -158,10 +179,32 @@ class TensorSpec:
     end: int
 
 
+def header_length(prefix: bytes | bytearray | memoryview, total: int, *, where: str) -> int:
+    """The byte count of the header that follows the first 8 bytes (``prefix``) of a
+    safetensors file of ``total`` bytes, checked to fit in the file before anything is read."""
+    if total < 8 or len(prefix) < 8:
+        raise CorruptCheckpointError(
+            f"not a valid safetensors file: {total} bytes is too short for a header", where=where
+        )
+    header_len = int.from_bytes(bytes(prefix[:8]), "little")
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > total:
+        raise CorruptCheckpointError(
+            f"not a valid safetensors file: header length {header_len} does not fit in a "
+            f"file of {total} bytes",
+            where=where,
+        )
+    return header_len
+
+
 def parse_header(
-    buffer: bytes | bytearray | memoryview, *, where: str
+    buffer: bytes | bytearray | memoryview, *, where: str, total: int | None = None
 ) -> tuple[int, dict[str, TensorSpec], dict[str, str]]:
     """Validate a safetensors file held in ``buffer``.
+
+    With ``total`` (the file's size), ``buffer`` may hold only the start of the file, up to
+    the end of its header: the header is then checked against a file of that size before
+    the tensor bytes are read (a file that claims more bytes than its tensors account for is
+    refused without reading them).
 
     Returns the offset of the data area, the tensor specs and the metadata. Raises
     :class:`CorruptCheckpointError` naming ``where`` for anything malformed.
@@ -170,12 +213,10 @@ def parse_header(
     def bad(reason: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"not a valid safetensors file: {reason}", where=where)
 
-    total = len(buffer)
-    if total < 8:
-        raise bad(f"{total} bytes is too short for a header")
-    header_len = int.from_bytes(bytes(buffer[:8]), "little")
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > total:
-        raise bad(f"header length {header_len} does not fit in a file of {total} bytes")
+    total = len(buffer) if total is None else total
+    header_len = header_length(buffer, total, where=where)
+    if 8 + header_len > len(buffer):
+        raise bad(f"the header is cut short ({len(buffer)} of {8 + header_len} bytes)")
     try:
         header = json.loads(bytes(buffer[8 : 8 + header_len]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -196,7 +237,11 @@ def parse_header(
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(_is_count(d) for d in shape)
+        ):
             raise bad(f"tensor {name!r} has an invalid shape")
         if (
             not isinstance(offsets, list)

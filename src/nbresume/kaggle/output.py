@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nbresume.checkpoint.format import MANIFEST_NAME, parse_step_dirname
+from nbresume.checkpoint.lease import LEASE_NAME
 from nbresume.checkpoint.store import CheckpointStore, VerifyReport
 from nbresume.kaggle.client import Kaggle, safe_output_path
 from nbresume.kaggle.metadata import parse_ref
@@ -71,6 +72,9 @@ def pull(kaggle: Kaggle, ref: str, dest: Path) -> Pulled:
     """Download the latest version's output of ``ref`` into ``dest`` and verify it."""
     parse_ref(ref)
     files, log = kaggle.output_files(ref)
+    # A writer lease left by a run cut at the session cap names a Kaggle machine: it is no
+    # part of the checkpoints, and a local run would only have to take it over.
+    files = [f for f in files if f.name.rsplit("/", 1)[-1] != LEASE_NAME]
     dest.mkdir(parents=True, exist_ok=True)
     # Manifests last: a folder is whole before its commit marker lands.
     ordered = sorted(files, key=lambda f: (f.name.rsplit("/", 1)[-1] == MANIFEST_NAME, f.name))

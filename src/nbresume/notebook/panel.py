@@ -24,6 +24,7 @@ from nbresume.notebook.progress import (
     FOUND,
     SAVED,
     SYNCING,
+    WARNING,
     Snapshot,
     Throttle,
     Tracker,
@@ -48,6 +49,7 @@ _URGENT = (
     ev.STOPPING,
     ev.DONE,
     "message",
+    WARNING,
 )
 
 
@@ -70,6 +72,7 @@ class Panel:
         )
         self.progress = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", width="auto"))
         self.checkpoint = widgets.HTML()
+        self.at_risk = widgets.HTML()
         self.session = widgets.HTML()
         self.save_button = widgets.Button(
             description="Save now",
@@ -89,6 +92,7 @@ class Panel:
                 self.facts,
                 widgets.HBox([self.bar, self.progress]),
                 self.checkpoint,
+                self.at_risk,
                 self.session,
                 widgets.HBox([self.save_button, self.stop_button]),
                 self.message,
@@ -99,6 +103,7 @@ class Panel:
         )
         for name in ("title", "facts", "bar", "progress", "checkpoint", "session", "message"):
             getattr(self, name).add_class(f"nbresume-{name}")
+        self.at_risk.add_class("nbresume-at-risk")
         self.widget.add_class("nbresume-panel")
         self.save_button.add_class("nbresume-save")
         self.stop_button.add_class("nbresume-stop")
@@ -141,6 +146,7 @@ class Panel:
             _set(self.bar, _bar_style(snap), "bar_style")
             _set(self.progress, self._progress_html(snap))
             _set(self.checkpoint, self._checkpoint_html(snap))
+            _set(self.at_risk, self._at_risk_html(snap))
             _set(self.session, self._session_html(snap))
             message = f'<span style="color:#52525b">{_esc(snap.message)}</span>'
             _set(self.message, message if snap.message else "")
@@ -201,6 +207,30 @@ class Panel:
                 f"{snap.failed.step:,} FAILED: {_esc(snap.failed.detail)}</span>"
             )
         return f"<span {attrs}>last checkpoint: {main}{extra}</span>"
+
+    @staticmethod
+    def _at_risk_html(snap: Snapshot) -> str:
+        """The last verified checkpoint and the training since; the warning in red when that
+        is more than twice the cadence. Data attributes carry the numbers."""
+        if not snap.has_checkpointer:
+            return ""
+        risk = snap.at_risk
+        attrs = " ".join(
+            f'data-{name}="{"" if value is None else value}"'
+            for name, value in (
+                ("step", risk.step),
+                ("steps", risk.steps),
+                ("seconds", None if risk.seconds is None else int(risk.seconds)),
+                ("warning", "true" if risk.warning else "false"),
+            )
+        )
+        html_text = f"<span {attrs}>{_esc(risk.text(snap.now))}</span>"
+        if risk.warning:
+            html_text += (
+                f'<br><span style="color:{_STATE_COLOR[FAILED]}"><b>WARNING:</b> '
+                f"{_esc(risk.warning)}</span>"
+            )
+        return html_text
 
     @staticmethod
     def _session_html(snap: Snapshot) -> str:

@@ -41,11 +41,16 @@ SYNCING = "syncing"
 FAILED = "failed"
 #: Found in the folder when the display started; committed, not re-verified since.
 FOUND = "found"
+#: The kind of the event views get when the cadence warning appears (data: ``text``).
+WARNING = "warning"
 
 #: Seconds of step history that the rate is measured over.
 RATE_WINDOW_S = 30.0
 #: Seconds a free-space figure is reused before the store is asked again.
 FREE_SPACE_TTL_S = 10.0
+#: Training this long with nothing verified is worth a warning where no cadence says more:
+#: ``every=None``, and ``every="auto"`` until it has measured a save.
+UNSAVED_WARN_S = 30 * 60.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,56 @@ class Fact:
     label: str
     text: str
     status: str = "ok"
+
+
+@dataclass(frozen=True)
+class AtRisk:
+    """What a crash now would lose: the training since the last verified checkpoint.
+
+    A warning is due when that is more than twice the cadence: ``2 * every`` steps, twice a
+    duration, twice the interval ``every="auto"`` computed; ``30 min`` (:data:`UNSAVED_WARN_S`)
+    of training with nothing verified for ``every=None`` and for ``"auto"`` before its first
+    measured save.
+    """
+
+    #: The step of the last verified checkpoint (``None``: none yet).
+    step: int | None = None
+    #: When it was written (a Unix time), if known.
+    at: float | None = None
+    #: Steps trained since it (since the start without one); ``None`` before training.
+    steps: int | None = None
+    #: Seconds of training since it, counted from the start of the loop at the earliest.
+    seconds: float | None = None
+    #: Why that is too long, or ``""``.
+    warning: str = ""
+
+    def text(self, now: float) -> str:
+        """``"last verified checkpoint: step 1,500, 2 min ago; 37 steps (40 s) since"``."""
+        if self.step is None:
+            head = "no verified checkpoint yet"
+        else:
+            head = f"last verified checkpoint: step {self.step:,}"
+            if self.at is not None:
+                head += (
+                    ", just now" if now - self.at < 1 else f", {format_duration(now - self.at)} ago"
+                )
+        if self.steps is None:
+            return head
+        return f"{head}; {self._amount()} {'since' if self.step is not None else 'trained'}"
+
+    def since_text(self) -> str:
+        """``"37 steps (40 s) since the last verified checkpoint"`` (``""`` before training)."""
+        if self.steps is None:
+            return ""
+        if self.step is None:
+            return f"{self._amount()} and no verified checkpoint yet"
+        return f"{self._amount()} since the last verified checkpoint"
+
+    def _amount(self) -> str:
+        text = f"{self.steps:,} step{'' if self.steps == 1 else 's'}"
+        if self.seconds is not None:
+            text += f" ({format_duration(self.seconds)})"
+        return text
 
 
 @dataclass(frozen=True)
@@ -99,6 +154,15 @@ class Snapshot:
     stopped: str
     finished: bool
     message: str
+    #: The training a crash now would lose, and a warning when that is too much.
+    at_risk: AtRisk = AtRisk()
+
+    def at_risk_text(self) -> str:
+        """The last verified checkpoint and what was trained since; the warning instead, when
+        there is one."""
+        if self.at_risk.warning:
+            return f"WARNING: {self.at_risk.warning}"
+        return self.at_risk.text(self.now)
 
     def progress_text(self) -> str:
         """``"step 1,234 of 20,000 (6%) · 12.3 steps/s · ETA 25 min"``."""
@@ -221,6 +285,10 @@ class Throttle:
                 self._timer = None
 
 
+#: The cadence warning last logged for each checkpointer.
+_LOGGED_WARNINGS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
 class Tracker:
     """Folds the events of the Checkpointers of this process into one picture of the run."""
 
@@ -241,6 +309,8 @@ class Tracker:
         self.message = ""
         self._free: tuple[float, int | None] | None = None
         self._session: tuple[float | None, str] = (None, "")
+        self._verified: tuple[int, float] | None = None  # step and time of the last VERIFIED
+        self._warned = ""  # the warning already logged for the present stretch without one
 
     def _reset_progress(self) -> None:
         self.step: int | None = None
@@ -250,6 +320,8 @@ class Tracker:
         self.stopped = ""
         self.finished = False
         self._samples: deque[tuple[float, int]] = deque()
+        self._loop_started: float | None = None  # when the running (or last) loop began
+        self._last_step_at: float | None = None  # when the last step boundary was seen
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -326,6 +398,8 @@ class Tracker:
         self._states.clear()
         self.saving = self.failed = None
         self._free = None
+        self._verified = None
+        self._warned = ""
         self._found(ckpt.store)
 
     def _found(self, location: Any) -> None:
@@ -364,7 +438,17 @@ class Tracker:
                     return  # a late event of a checkpointer no longer shown
                 self._make_current(ckpt)
             self._fold(ckpt, event)
+            warning = self._new_warning(ckpt) if event.kind == ev.STEP else ""
             hooks = list(self._step_hooks) if event.kind == ev.STEP else []
+        if warning:
+            # Views first (a live terminal line makes room for it), then the log, once per
+            # stretch without a verified checkpoint, for a script that nobody watches.
+            self._notify(ev.Event(WARNING, event.step, {"text": warning}))
+            # Logged once per checkpointer even when several trackers watch it (the one of
+            # nbresume.init and a panel of one's own).
+            if _LOGGED_WARNINGS.get(ckpt) != warning:
+                _LOGGED_WARNINGS[ckpt] = warning
+                log.warning("nbresume: %s", warning)
         for hook in hooks:
             try:
                 hook()
@@ -379,8 +463,10 @@ class Tracker:
                 self._samples.clear()
             if not self.running:
                 self.stopped, self.finished = "", False
+                self._loop_started = event.time
             self.running = True
             self.step = step
+            self._last_step_at = event.time
             self.total = data.get("total")
             self.epoch = data.get("epoch")
             self._samples.append((event.time, step))
@@ -394,6 +480,9 @@ class Tracker:
             # On a write-back store (Drive) a checkpoint that reads back is not saved yet.
             state = SYNCING if getattr(ckpt, "durability", None) is not None else SAVED
             self._set_state(step, state, data.get("size"), event.time, data.get("location", ""))
+            if self._verified is None or step >= self._verified[0]:
+                self._verified = (step, event.time)
+                self._warned = ""
             if self.saving is not None and self.saving.step <= step:
                 self.saving = None
             if self.failed is not None and self.failed.step <= step:
@@ -525,7 +614,40 @@ class Tracker:
                 stopped=self.stopped,
                 finished=self.finished,
                 message=self.message,
+                at_risk=self._at_risk(ckpt, now),
             )
+
+    def _at_risk(self, ckpt: Checkpointer | None, now: float) -> AtRisk:
+        """The training since the last verified checkpoint of the Checkpointer shown (or the
+        one it restored), and the warning when that is more than twice its cadence."""
+        if ckpt is None:
+            return AtRisk()
+        base: tuple[int, float | None] | None = self._verified
+        restored = getattr(ckpt, "restored_step", None)
+        if base is None and restored:
+            # Restored from a checkpoint that verified as it was loaded.
+            found = self._states.get(restored)
+            base = (restored, found.at if found is not None else None)
+        if self.step is None:
+            return AtRisk(*base) if base is not None else AtRisk()
+        steps = max(0, self.step - (base[0] if base is not None else (restored or 0)))
+        end = now if self.running else (self._last_step_at or now)
+        begin = max(
+            (t for t in (self._loop_started, base[1] if base else None) if t is not None),
+            default=None,
+        )
+        seconds = max(0.0, end - begin) if begin is not None else None
+        warning = _cadence_warning(ckpt, steps, seconds, base[0] if base is not None else None)
+        step, at = base if base is not None else (None, None)
+        return AtRisk(step, at, steps, seconds, warning)
+
+    def _new_warning(self, ckpt: Checkpointer) -> str:
+        """The cadence warning if it has just appeared (it is logged once, not at every step)."""
+        warning = self._at_risk(ckpt, self.clock()).warning
+        if not warning or self._warned:
+            return ""
+        self._warned = warning
+        return warning
 
     def _rate(self) -> float | None:
         if len(self._samples) < 2:
@@ -584,6 +706,52 @@ class Tracker:
             log.debug("nbresume: free space unknown: %s", exc)
         self._free = (now, free)
         return free
+
+
+def _cadence_warning(
+    ckpt: Checkpointer, steps: int, seconds: float | None, verified: int | None
+) -> str:
+    """Why ``steps`` steps (``seconds`` of training) since the checkpoint of step ``verified``
+    (``None``: there is none) is too long for ``ckpt``'s cadence, or ``""``."""
+    cadence = getattr(ckpt, "cadence", None)
+    lost = "a crash now would lose that training; check why saves fail"
+    what = (
+        f"since the last verified checkpoint (step {verified:,})"
+        if verified is not None
+        else "without a verified checkpoint"
+    )
+    if cadence is None:
+        return ""
+    if cadence.steps is not None:
+        if steps > 2 * cadence.steps:
+            return f"{steps:,} steps {what}, more than twice every={cadence.steps:,}: {lost}"
+        return ""
+    if cadence.seconds is not None:
+        if seconds is not None and seconds > 2 * cadence.seconds:
+            return (
+                f"{format_duration(seconds)} of training {what}, more than twice "
+                f"every={format_duration(cadence.seconds)}: {lost}"
+            )
+        return ""
+    interval = cadence.interval_steps() if cadence.auto else None
+    if interval is not None:
+        if steps > 2 * interval:
+            return (
+                f"{steps:,} steps {what}, more than twice the {interval:,} steps that "
+                f'every="auto" chose: {lost}'
+            )
+        return ""
+    if seconds is not None and seconds > UNSAVED_WARN_S:
+        why = (
+            "every=None saves only at the end, at a deadline or on a signal"
+            if not cadence.auto
+            else 'every="auto" has not saved yet'
+        )
+        return (
+            f"{format_duration(seconds)} of training {what} ({why}): a crash now would lose "
+            "it; call ckpt.save() or set every="
+        )
+    return ""
 
 
 def _check(report: Report, name: str) -> Check | None:

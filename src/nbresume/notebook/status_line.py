@@ -5,7 +5,8 @@ a few times a second, and ends with a newline when the loop stops or finishes. W
 goes to a file or a pipe (a Slurm log, ``nohup``), carriage returns would pile up, so it writes
 plain timestamped lines instead: every checkpoint event at once, progress every ``interval``
 seconds. It writes to stderr by default, as progress bars do, so that stdout stays the
-program's own.
+program's own. Both say what a crash would lose (the steps and time since the last verified
+checkpoint), and the live line carries the warning when that is more than twice the cadence.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ import time
 from typing import TextIO
 
 from nbresume.checkpoint import events as ev
-from nbresume.notebook.progress import FAILED, SAVED, Snapshot, Throttle, Tracker, describe
+from nbresume.notebook.progress import (
+    FAILED,
+    SAVED,
+    WARNING,
+    Snapshot,
+    Throttle,
+    Tracker,
+    describe,
+)
 
 #: Seconds between two progress lines when the output is not a terminal.
 LOG_INTERVAL_S = 60.0
@@ -60,6 +69,11 @@ class StatusLine:
         if event is None or event.kind == "message":
             return
         kind = event.kind
+        if kind == WARNING:
+            if self.tty:  # the logged warning then starts on a line of its own
+                self._draw(self.line(self.tracker.snapshot()))
+                self._newline()
+            return
         if kind == ev.STEP:
             self._throttle.poke()
         elif kind in _CHECKPOINT_EVENTS:
@@ -73,10 +87,17 @@ class StatusLine:
     # -- terminal --------------------------------------------------------------------------
 
     def line(self, snap: Snapshot) -> str:
-        """The one-line summary: progress, the last checkpoint, the session clock, free disk."""
+        """The one-line summary: progress, the training since the last verified checkpoint (or
+        the warning that it is too much), the last checkpoint, the session clock, free disk."""
         from nbresume.checkpoint.store import format_bytes
 
         parts = [f"nbresume{' ' + snap.run_name if snap.run_name else ''}: {snap.progress_text()}"]
+        # What a crash would lose comes before the last checkpoint, whose failure can be long:
+        # a line too wide for the terminal is cut at the end.
+        if snap.at_risk.warning:
+            parts.append(f"WARNING: {snap.at_risk.warning}")
+        elif snap.at_risk.since_text():
+            parts.append(snap.at_risk.since_text())
         parts.append(f"last checkpoint {snap.checkpoint_text()}")
         if snap.deadline is not None:
             parts.append(snap.session_text())
@@ -107,7 +128,8 @@ class StatusLine:
         if self.tty:
             self._draw(self.line(snap))
         elif snap.running:
-            self._log(snap.progress_text())
+            since = snap.at_risk.since_text()
+            self._log(f"{snap.progress_text()} · {since}" if since else snap.progress_text())
 
     def _checkpoint(self, step: int) -> None:
         snap = self.tracker.snapshot()
@@ -121,7 +143,7 @@ class StatusLine:
             return
         self._said[step] = view.state
         if view.state == FAILED and view is snap.failed:
-            self._log(f"saving step {step:,} FAILED: {view.detail}")
+            self._log(f"saving step {step:,} FAILED: {view.detail}; {snap.at_risk.text(snap.now)}")
         else:
             text = describe(view, snap.now)
             if view.state == SAVED and view.detail:

@@ -264,6 +264,9 @@ class DriveStore(LocalStore):
 
     write_back = True
     reports_md5 = True
+    #: Another VM sees the writer lease only through Drive's sync, which can lag a renewal by
+    #: minutes: a lease is stale later than on other stores.
+    lease_expiry_s = 300.0
 
     def __init__(
         self,
@@ -439,6 +442,15 @@ class DriveStore(LocalStore):
         ids = self._drive_ids(folder) if (self.root / folder).exists() else []
         super().discard(folder)
         self._delete_on_drive(folder, ids)
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        # Rewritten in place, not renamed over: every renewal of the writer lease is then a new
+        # revision of one Drive file, where a rename would send the old file to Drive's trash.
+        # A reader on this VM may catch it half-written and reads again (see the lease).
+        self._make_root()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+        with os.fdopen(os.open(self.root / name, flags, 0o644), "wb") as handle:
+            handle.write(data)
 
     def recover(self, current: str) -> list[str]:
         leftovers = [

@@ -1,0 +1,654 @@
+"""The writer lease: at most one live writer per checkpoint folder.
+
+A save cleans up what a killed writer left (temporary folders, uncommitted step folders) and
+applies retention to every checkpoint of the folder. Two processes saving into one folder
+would therefore delete each other's work. A :class:`~nbresume.Checkpointer` takes the folder's
+lease when it is created, and a second live writer is refused at once with
+:class:`~nbresume.errors.FolderInUseError`, naming the holder. Readers need no lease.
+
+The lease is a small JSON file, :data:`LEASE_NAME`, directly in the checkpoint folder (a file
+whose name begins with a dot: never a step folder, never listed as a checkpoint). It records
+who holds it: host, process id and start time, when it was taken and when it was last renewed.
+
+A lease whose holder is gone is taken over, with a warning:
+
+- **on the same machine** (same host name, boot and process namespace) the holder's process is
+  looked at: gone, a zombie, or a different process under a reused pid (another start time in
+  ``/proc/<pid>/stat``) means stale, at once;
+- **from another machine**, or where processes cannot be looked at (an object store, Google
+  Drive shared by two VMs), the holder renews the lease every :data:`LEASE_RENEW_S` seconds
+  from a daemon thread, and a lease not renewed for :data:`LEASE_EXPIRY_S` seconds (the
+  store's ``lease_expiry_s`` where it sets one: Drive's sync is slower) is stale. This
+  compares the holder's clock with ours: clocks must agree to well within the expiry.
+
+Taking the lease:
+
+- On POSIX the lease file is created with ``O_EXCL``: of two writers starting together, one
+  wins, atomically. A stale lease is taken over by writing a new file aside and renaming it
+  over the old one; the new holder then waits :data:`LEASE_SETTLE_S` and reads it back, so
+  that of two processes taking over the same stale lease at once, the one overwritten backs
+  off.
+- Object stores have no create-if-absent in general (fsspec offers none): the writer writes
+  its lease, waits :data:`LEASE_SETTLE_S`, and reads it back; only if it is still its own does
+  it hold the folder. Two writers that start within the same moment are told apart unless one
+  of them takes longer than :data:`LEASE_SETTLE_S` between looking at the lease and writing
+  its own (a stalled request): then both can believe they hold it until the first renewal or
+  save of the overwritten one, which then fails with :class:`~nbresume.errors.LeaseLostError`.
+- On Google Drive's mount (a POSIX folder of each VM), ``O_EXCL`` holds between processes of
+  one VM; another VM sees the lease only once Drive has synced it, so two VMs starting within
+  that delay are not refused at once: the one whose lease is overwritten by the sync finds out
+  at its next renewal or save.
+
+A writer checks that it still holds the lease (one small read) before it cleans up, commits
+or deletes anything, so a process that was suspended past the expiry and taken over raises
+:class:`~nbresume.errors.LeaseLostError` at its next save instead of writing. A Checkpointer
+created again in the same process (a notebook cell run again) takes the lease over from the
+older one, which then raises if it ever saves again. The lease is given back by ``close()``,
+at the end of a ``with`` block and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from nbresume.checkpoint.storage import Store
+from nbresume.errors import FolderInUseError, LeaseLostError, StorageError
+
+log = logging.getLogger("nbresume")
+
+#: The lease file, directly in the checkpoint folder.
+LEASE_NAME = ".nbresume-lease.json"
+LEASE_FORMAT = "nbresume-lease"
+LEASE_VERSION = 1
+#: Seconds between two renewals by the holder.
+LEASE_RENEW_S = 30.0
+#: Seconds without renewal after which a lease from another machine is stale.
+LEASE_EXPIRY_S = 180.0
+#: Seconds a writer waits before reading back a lease it wrote without an atomic create.
+LEASE_SETTLE_S = 1.0
+#: Reads of a lease file that does not parse (a create caught between open and write).
+_READ_TRIES = 5
+
+_HELD, _RELEASED, _LOST = "held", "released", "lost"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What a lease file says of the writer that holds the folder."""
+
+    token: str
+    host: str
+    pid: int
+    #: The machine beyond its host name: boot id and pid namespace ("" where unknown).
+    machine: str = ""
+    #: The process's start time as ``/proc/<pid>/stat`` gives it ("" where unknown).
+    started: str = ""
+    #: When the lease was taken and last renewed (Unix times, the holder's clock).
+    since: float = 0.0
+    renewed: float = 0.0
+    #: Seconds after ``renewed`` at which the lease is stale, seen from another machine.
+    expiry_s: float = LEASE_EXPIRY_S
+    #: The holder's program (``train.py``, ``ipykernel_launcher.py``) and what it holds it for.
+    program: str = ""
+    purpose: str = ""
+
+    def to_bytes(self) -> bytes:
+        document = {"format": LEASE_FORMAT, "version": LEASE_VERSION, **asdict(self)}
+        return json.dumps(document, indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Holder | None:
+        """The holder a lease file names, or ``None`` when it is not a lease that can be read."""
+        try:
+            document = json.loads(data)
+            if not isinstance(document, dict):
+                return None
+            renewed = float(document["renewed"])
+            return cls(
+                token=str(document["token"]),
+                host=str(document["host"]),
+                pid=int(document["pid"]),
+                machine=str(document.get("machine", "")),
+                started=str(document.get("started", "")),
+                since=float(document.get("since", renewed)),
+                renewed=renewed,
+                expiry_s=_sane_expiry(document.get("expiry_s")),
+                program=str(document.get("program", ""))[:200],
+                purpose=str(document.get("purpose", ""))[:200],
+            )
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return None
+
+    def describe(self, now: float | None = None) -> str:
+        """``pid 1234 on host 'gpu-1' (train.py), holding it since ... UTC, renewed 12 s ago``."""
+        now = time.time() if now is None else now
+        what = f" ({self.program})" if self.program else ""
+        purpose = f" for {self.purpose}" if self.purpose else ""
+        return (
+            f"pid {self.pid} on host {self.host!r}{what}{purpose}, holding it since "
+            f"{_utc(self.since)}, renewed {_ago(now - self.renewed)}"
+        )
+
+
+def _sane_expiry(value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return LEASE_EXPIRY_S
+    return seconds if 1.0 <= seconds <= 7 * 24 * 3600 else LEASE_EXPIRY_S
+
+
+def _utc(when: float) -> str:
+    return datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 0:
+        return f"{-seconds:.0f} s in the future by this machine's clock"
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+# -- this process, and looking at another one ----------------------------------------------
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def _machine() -> str:
+    """This machine beyond its host name: containers and VMs can share a host name, and two
+    of them must not judge each other's processes by pid."""
+    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{boot}/{namespace}" if boot or namespace else ""
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of a process from ``/proc/<pid>/stat``; ``None`` where unreadable."""
+    text = _read_text(f"/proc/{pid}/stat")
+    # The command name, in parentheses, may hold spaces and parentheses itself.
+    fields = text.rpartition(")")[2].split()
+    if len(fields) < 20:
+        return None
+    return fields[0], fields[19]
+
+
+def _has_proc() -> bool:
+    return os.path.exists("/proc/self/stat")
+
+
+def _process_runs(pid: int, started: str) -> bool:
+    """Whether the process ``pid`` that started at ``started`` still runs on this machine."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    except OSError:
+        return True  # cannot tell: never take over a lease that may be live
+    stat = _proc_stat(pid)
+    if stat is None:
+        # Without /proc (macOS) a reused pid cannot be told apart; with it, the process
+        # ended between the two looks.
+        return not _has_proc()
+    state, start = stat
+    if state in ("Z", "X"):
+        return False  # killed, not yet reaped by its parent
+    return not started or start == started
+
+
+def _program() -> str:
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return (name or "python")[:100]
+
+
+def _me(token: str, since: float, expiry_s: float, purpose: str) -> Holder:
+    stat = _proc_stat(os.getpid())
+    return Holder(
+        token=token,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        machine=_machine(),
+        started=stat[1] if stat else "",
+        since=since,
+        renewed=time.time(),
+        expiry_s=expiry_s,
+        program=_program(),
+        purpose=purpose,
+    )
+
+
+def _judge(holder: Holder, me: Holder, now: float) -> tuple[str, str]:
+    """("self" | "live" | "stale", why it is stale) for the lease ``holder`` holds."""
+    if holder.host == me.host and holder.machine == me.machine:
+        if holder.pid == me.pid and holder.started == me.started:
+            return "self", ""
+        if _process_runs(holder.pid, holder.started):
+            return "live", ""
+        return "stale", f"its process (pid {holder.pid} on this machine) is no longer running"
+    age = now - holder.renewed
+    if age > holder.expiry_s:
+        return "stale", f"it expired (not renewed for more than {holder.expiry_s:.0f} s)"
+    return "live", ""
+
+
+# -- the lease -------------------------------------------------------------------------------
+
+#: Leases held by this process, by token: a newer lease on the same folder supersedes them.
+_REGISTRY: dict[str, WriterLease] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+class WriterLease:
+    """The writer lease of one checkpoint folder, held by this process.
+
+    Args:
+        store: the folder.
+        purpose: what the lease is held for, shown to a writer that is refused.
+        drain: called before a newer lease of this process takes this one over (the older
+            Checkpointer's save in flight finishes first).
+    """
+
+    def __init__(
+        self, store: Store, *, purpose: str = "", drain: Callable[[], None] | None = None
+    ) -> None:
+        self.store = store
+        self.purpose = purpose
+        self.drain = drain
+        self.token = secrets.token_hex(8)
+        self.expiry_s = store.lease_expiry_s or LEASE_EXPIRY_S
+        self._since = time.time()
+        self._state = _RELEASED
+        self._lost = ""
+        self._lost_fix = ""
+        self._lost_holder: Holder | None = None
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def where(self) -> str:
+        return self.store.location
+
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lease, as far as it knows without looking."""
+        return self._state == _HELD
+
+    def __repr__(self) -> str:
+        return f"WriterLease({self.where!r}, {self._state})"
+
+    # -- taking and giving back ----------------------------------------------------------
+
+    def acquire(self, *, replace_own: bool = True) -> None:
+        """Take the lease, or raise :class:`FolderInUseError` naming the live holder. With
+        ``replace_own``, a lease held by another object of this process (an older Checkpointer
+        of a cell run again) is taken over; without, it is refused like another process's."""
+        with self._lock:
+            if self._state == _LOST:
+                self._raise_lost()
+            if self._state == _HELD:
+                return
+            self._take(replace_own=replace_own)
+            self._state = _HELD
+            self.store.writer_check = self.check
+            with _REGISTRY_LOCK:
+                _REGISTRY[self.token] = self
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._beat, args=(self._stop,), name="nbresume-lease", daemon=True
+            )
+            self._thread.start()
+
+    def release(self) -> None:
+        """Give the lease back (removing the lease file if it is still ours). A lease that was
+        lost or superseded is left to its new holder."""
+        with self._lock:
+            self._stop.set()
+            with _REGISTRY_LOCK:
+                _REGISTRY.pop(self.token, None)
+            if self._state != _HELD:
+                return
+            self._state = _RELEASED
+            try:
+                holder = self._read()[0]
+                if holder is not None and holder.token == self.token:
+                    self.store.remove_small(LEASE_NAME)
+            except StorageError:
+                pass  # a file stands where the folder was: no lease is left there either
+            except Exception as exc:  # OSError, or a network store's own client errors
+                log.warning(
+                    "nbresume: could not remove the writer lease %s (%s); it becomes stale "
+                    "when this process ends",
+                    self.store.child(LEASE_NAME),
+                    exc,
+                )
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` unless this process still holds the lease (one small
+        read). A lease given back by ``close()`` is taken again, as a new writer would."""
+        with self._lock:
+            if self._state == _RELEASED:
+                try:
+                    self.acquire(replace_own=False)
+                except FolderInUseError as exc:
+                    if _held_here(getattr(exc.holder, "token", "")):
+                        # Closed, then a newer Checkpointer of this process took the folder.
+                        self._lose(None, superseded=True)
+                        self._raise_lost()
+                    raise
+                return
+            if self._state == _LOST:
+                self._raise_lost()
+            self._refresh(renew=False)
+
+    # -- inside ---------------------------------------------------------------------------
+
+    def _read(self) -> tuple[Holder | None, bytes | None]:
+        """The holder of the lease file and its bytes; (None, None) when there is none. A file
+        that does not parse is read again a few times (a create caught before its write)."""
+        raw: bytes | None = None
+        for attempt in range(_READ_TRIES):
+            raw = self.store.read_small(LEASE_NAME)
+            if raw is None:
+                return None, None
+            holder = Holder.parse(raw)
+            if holder is not None:
+                return holder, raw
+            if attempt + 1 < _READ_TRIES:
+                time.sleep(0.05 * (attempt + 1))
+        return None, raw
+
+    def _mine(self) -> Holder:
+        return _me(self.token, self._since, self.expiry_s, self.purpose)
+
+    def _confirm(self, pause: float) -> None:
+        """After ``pause`` seconds, read the lease file back; raise :class:`_Overwritten` when
+        it is not ours any more."""
+        if pause:
+            time.sleep(pause)
+        holder = self._read()[0]
+        if holder is None or holder.token != self.token:
+            raise _Overwritten(holder)
+
+    def _take(self, *, replace_own: bool = True) -> None:
+        """Create the lease file, or take over a stale one or this process's own."""
+        for _ in range(4):
+            current, raw = self._read()
+            if raw is None:
+                if self.store.create_small(LEASE_NAME, self._mine().to_bytes()):
+                    try:
+                        self._confirm(0.0 if self.store.atomic_create else LEASE_SETTLE_S)
+                    except _Overwritten:
+                        continue  # another writer's lease landed over ours: look at it
+                    return
+                continue  # created by another writer in between: look at it
+            me = self._mine()
+            if current is None:
+                verdict, why = "stale", "its lease file cannot be read"
+            else:
+                verdict, why = _judge(current, me, time.time())
+            if current is not None and (
+                verdict == "live"
+                or (verdict == "self" and not replace_own and _held_here(current.token))
+            ):
+                raise self._in_use(current, me)
+            if verdict == "self" and current is not None:
+                _supersede(current.token)
+            if self.store.read_small(LEASE_NAME) != raw:
+                continue  # it changed while we looked: look again
+            self.store.replace_small(LEASE_NAME, me.to_bytes())
+            try:
+                # Two processes taking over one stale lease: the one overwritten backs off.
+                self._confirm(0.0 if verdict == "self" else LEASE_SETTLE_S)
+            except _Overwritten:
+                continue
+            if verdict == "stale":
+                gone = current.describe() if current is not None else "an unknown writer"
+                warnings.warn(
+                    f"nbresume: took over the writer lease of {self.where} from {gone}: {why}",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+            else:
+                log.info("nbresume: a newer Checkpointer of this process took over %s", self.where)
+            return
+        current = self._read()[0]
+        raise FolderInUseError(
+            "the writer lease of this folder kept changing hands while this process tried to "
+            "take it: other processes are starting writers on it",
+            where=self.where,
+            fix="run one writer per folder: stop the others, or give this run its own dir=",
+            holder=current,
+        )
+
+    def _in_use(self, holder: Holder, me: Holder) -> FolderInUseError:
+        here = holder.host == me.host and holder.machine == me.machine
+        fix = (
+            "stop that run first (or let it finish), or give this run its own folder with "
+            "another dir=. To only read the checkpoints, `nbresume ls`, `nbresume verify` and "
+            "CheckpointStore(dir).load() need no lease"
+        )
+        if not here:
+            fix += (
+                f". If that machine is gone, its lease expires at "
+                f"{_utc(holder.renewed + holder.expiry_s)} ({holder.expiry_s:.0f} s after its "
+                "last renewal) and a writer started after that takes over"
+            )
+        return FolderInUseError(
+            f"another process is writing checkpoints to this folder: {holder.describe()}",
+            where=self.where,
+            fix=fix,
+            holder=holder,
+        )
+
+    def _refresh(self, *, renew: bool) -> None:
+        """Read the lease back; rewrite it with a new renewal time when ``renew``. Marks the
+        lease lost and raises when another writer holds it now."""
+        holder, raw = self._read()
+        if holder is not None and holder.token == self.token:
+            if renew:
+                self.store.replace_small(LEASE_NAME, self._mine().to_bytes())
+            return
+        if raw is None and renew:
+            # Removed (by hand, or with the whole folder): the heartbeat never writes into a
+            # folder by itself, which could bring back a folder the user deleted. This process
+            # takes the lease again at its next save, as a new writer would.
+            log.warning(
+                "nbresume: the writer lease file of %s was removed while this process held it; "
+                "it is taken again at the next save",
+                self.where,
+            )
+            self._state = _RELEASED
+            self._stop.set()
+            with _REGISTRY_LOCK:
+                _REGISTRY.pop(self.token, None)
+            return
+        if raw is None:
+            # Removed by someone (by hand), seen right before a write: take it again, unless
+            # another writer got it first.
+            warnings.warn(
+                f"nbresume: the writer lease file of {self.where} was removed while this process "
+                "held it; taking it again",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            try:
+                self._take()
+            except FolderInUseError as exc:
+                taker = exc.holder if isinstance(exc.holder, Holder) else None
+                self._lose(taker)
+                self._raise_lost()
+            return
+        self._lose(holder)
+        self._raise_lost()
+
+    def _lose(self, holder: Holder | None, *, superseded: bool = False) -> None:
+        self._state = _LOST
+        self._stop.set()
+        self._lost_holder = holder
+        with _REGISTRY_LOCK:
+            _REGISTRY.pop(self.token, None)
+        if superseded:
+            self._lost = (
+                "this Checkpointer no longer writes to this folder: a newer Checkpointer on the "
+                "same folder, created in this process, took over its writer lease"
+            )
+            self._lost_fix = (
+                "save with the newest Checkpointer (running the cell that creates it again "
+                "replaces the old one)"
+            )
+            return
+        who = holder.describe() if holder is not None else "a writer whose lease cannot be read"
+        self._lost = (
+            f"this writer lost the folder's writer lease to another writer ({who}), most "
+            f"likely because this process could not renew it for more than {self.expiry_s:.0f} "
+            "s (suspended, or cut off from the store)"
+        )
+        self._lost_fix = (
+            "stop this run: the other one writes to this folder now, and nothing more is "
+            "written here by this one. To keep both, restart this one with its own dir="
+        )
+        log.warning("nbresume: %s: %s", self.where, self._lost)
+
+    def _raise_lost(self) -> None:
+        raise LeaseLostError(
+            self._lost, where=self.where, fix=self._lost_fix, holder=self._lost_holder
+        )
+
+    def _beat(self, stop: threading.Event) -> None:
+        """Renew the lease until it is given back or lost."""
+        failing = False
+        while not stop.wait(LEASE_RENEW_S):
+            with self._lock:
+                if self._state != _HELD or stop.is_set():
+                    return
+                try:
+                    self._refresh(renew=True)
+                    failing = False
+                except LeaseLostError:
+                    return
+                except Exception as exc:  # a network store hiccup: try again next time
+                    if not failing:
+                        log.warning(
+                            "nbresume: could not renew the writer lease of %s (%s); retrying "
+                            "every %.0f s",
+                            self.where,
+                            exc,
+                            LEASE_RENEW_S,
+                        )
+                    failing = True
+
+
+class _Overwritten(Exception):
+    def __init__(self, holder: Holder | None) -> None:
+        super().__init__("lease overwritten")
+        self.holder = holder
+
+
+def _held_here(token: str) -> bool:
+    """Whether a lease object of this process holds the lease with ``token``."""
+    with _REGISTRY_LOCK:
+        return token in _REGISTRY
+
+
+def _supersede(token: str) -> None:
+    """Hand the folder from an older lease of this process to a newer one: the older
+    holder's save in flight finishes, then it refuses to write."""
+    with _REGISTRY_LOCK:
+        older = _REGISTRY.get(token)
+    if older is None:
+        return
+    if older.drain is not None:
+        with contextlib.suppress(Exception):  # its own error stays with it
+            older.drain()
+    with older._lock:
+        if older._state == _HELD:
+            older._lose(None, superseded=True)
+
+
+def _rank() -> int:
+    """This process's rank under torch.distributed (0 without it); nothing is imported."""
+    dist: Any = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return int(dist.get_rank())
+
+
+def acquire_writer_lease(
+    store: Store, *, purpose: str = "", drain: Callable[[], None] | None = None
+) -> WriterLease | None:
+    """The lease of ``store`` for a writer of this process, taken now; ``None`` on a rank other
+    than 0 under torch.distributed (only rank 0 writes and commits). Raises
+    :class:`FolderInUseError` when another live writer holds it."""
+    if _rank() != 0:
+        return None
+    lease = WriterLease(store, purpose=purpose, drain=drain)
+    try:
+        lease.acquire()
+    except (OSError, StorageError) as exc:
+        # A folder that cannot be written now (read-only, an attached dataset, a file in its
+        # place, a store out of reach): restoring from it needs no lease. The first save
+        # takes it, and fails there as the save itself would.
+        log.debug("nbresume: writer lease of %s deferred to the first save: %s", store, exc)
+        store.writer_check = lease.check
+    return lease
+
+
+@contextlib.contextmanager
+def holding(store: Store, *, purpose: str) -> Iterator[WriterLease]:
+    """Hold the lease of ``store`` for the duration of a block (a one-off deleting command)."""
+    lease = WriterLease(store, purpose=purpose)
+    lease.acquire(replace_own=False)
+    try:
+        yield lease
+    finally:
+        lease.release()
+        store.writer_check = None
+
+
+def current_holder(store: Store) -> Holder | None:
+    """The holder a folder's lease file names, stale or not (``None`` when there is none)."""
+    raw = store.read_small(LEASE_NAME)
+    return None if raw is None else Holder.parse(raw)
+
+
+def _release_all() -> None:
+    """At interpreter exit: give back every lease still held (a Checkpointer's own exit hook
+    runs first and finishes its save in flight)."""
+    with _REGISTRY_LOCK:
+        leases = list(_REGISTRY.values())
+    for lease in leases:
+        with contextlib.suppress(Exception):
+            lease.release()
+
+
+atexit.register(_release_all)
