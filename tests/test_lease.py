@@ -10,8 +10,10 @@ their own, and ``memory://`` in one process.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -261,15 +263,16 @@ def test_a_live_writer_on_this_machine_is_never_taken_over(tmp_path: Path) -> No
         assert first.finish() == 0, first.stderr
 
 
-def test_a_stale_lease_from_another_host_is_taken_over(tmp_path: Path) -> None:
+def test_a_stale_lease_from_another_host_is_taken_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     folder = tmp_path / "run"
     folder.mkdir()
     (folder / LEASE_NAME).write_bytes(lease_of_another_host(renewed_ago=600))
     counter = Counter()
-    with pytest.warns(
-        RuntimeWarning, match=r"took over the writer lease .*gpu-box-7\.example.*: it expired"
-    ):
+    with caplog.at_level(logging.WARNING, logger="nbresume"):
         ckpt = Checkpointer(folder, counter=counter, **QUIET)
+    assert re.search(r"took over the writer lease .*gpu-box-7\.example.*: it expired", caplog.text)
     counter.n = 5
     assert ckpt.save(step=5, block=True) is not None
     assert lease_file(folder)["pid"] == os.getpid()
@@ -409,7 +412,7 @@ def memory_url() -> Iterator[str]:
 
 
 def test_on_an_object_store_a_fresh_lease_is_refused_and_an_expired_one_taken(
-    memory_url: str,
+    memory_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     import fsspec
 
@@ -420,8 +423,10 @@ def test_on_an_object_store_a_fresh_lease_is_refused_and_an_expired_one_taken(
         Checkpointer(memory_url, **QUIET)
 
     fs.pipe_file(path, lease_of_another_host(renewed_ago=3600))
-    with pytest.warns(RuntimeWarning, match="took over the writer lease"):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nbresume"):
         ckpt = Checkpointer(memory_url, counter=Counter(), **QUIET)
+    assert "took over the writer lease" in caplog.text
     assert ckpt.save(step=1, block=True) is not None
     again = Checkpointer(memory_url, counter=Counter(), **QUIET)  # same process: takes over
     assert again.restore() == 1
@@ -498,7 +503,7 @@ def test_on_s3_a_second_process_is_refused_and_a_killed_ones_lease_taken_over(
 
 @pytest.mark.slow
 def test_on_s3_a_lease_of_another_host_is_honoured_until_it_expires(
-    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     for name, value in s3["env"].items():
         monkeypatch.setenv(name, value)
@@ -509,8 +514,10 @@ def test_on_s3_a_lease_of_another_host_is_honoured_until_it_expires(
     with pytest.raises(FolderInUseError, match=r"gpu-box-7\.example"):
         Checkpointer(url, storage_options=s3["options"], **QUIET)
     raw.pipe_file(path, lease_of_another_host(renewed_ago=3600))
-    with pytest.warns(RuntimeWarning, match="took over the writer lease"):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nbresume"):
         ckpt = Checkpointer(url, storage_options=s3["options"], counter=Counter(), **QUIET)
+    assert "took over the writer lease" in caplog.text
     assert ckpt.save(step=1, block=True) is not None
     raw.invalidate_cache()
     assert json.loads(raw.cat_file(path))["pid"] == os.getpid()

@@ -59,7 +59,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -433,11 +432,9 @@ class WriterLease:
                 continue
             if verdict == "stale":
                 gone = current.describe() if current is not None else "an unknown writer"
-                warnings.warn(
-                    f"nbresume: took over the writer lease of {self.where} from {gone}: {why}",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
+                # A log line, not a Python warning: after a crash this is the normal start.
+                log.warning("nbresume: took over the writer lease of %s from %s: %s",
+                            self.where, gone, why)  # fmt: skip
             else:
                 log.info("nbresume: a newer Checkpointer of this process took over %s", self.where)
             return
@@ -495,11 +492,10 @@ class WriterLease:
         if raw is None:
             # Removed by someone (by hand), seen right before a write: take it again, unless
             # another writer got it first.
-            warnings.warn(
-                f"nbresume: the writer lease file of {self.where} was removed while this process "
-                "held it; taking it again",
-                RuntimeWarning,
-                stacklevel=3,
+            log.warning(
+                "nbresume: the writer lease file of %s was removed while this process held it; "
+                "taking it again",
+                self.where,
             )
             try:
                 self._take()
