@@ -402,7 +402,7 @@ def test_a_replaced_copy_is_dropped_when_the_new_one_landed(tmp_path: Path, ckpt
     deleting.mkdir()
     (deleting / "model.safetensors").write_bytes(b"half gone")
 
-    cleaned = store.store.recover(current="")
+    cleaned = store.backend.recover(current="")
 
     assert sorted(cleaned) == sorted([retired.name, deleting.name])
     assert os.listdir(ckpt_dir) == [step_dirname(5)]

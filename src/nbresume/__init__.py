@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbresume.checkpoint import hooks as _hooks
 from nbresume.checkpoint.checkpointer import Checkpointer
 from nbresume.checkpoint.data import ResumableLoader, sample_generator, sample_seed
 from nbresume.checkpoint.events import Event
@@ -21,6 +22,7 @@ from nbresume.checkpoint.store import (
     verify,
 )
 from nbresume.checkpoint.trainable import BaseMismatchError, TrainableOnly, trainable_only
+from nbresume.checkpoint.version import __version__
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -30,11 +32,15 @@ from nbresume.errors import (
     StorageError,
     StorageFullError,
 )
+from nbresume.platforms import session_deadline as _session_deadline
 from nbresume.platforms.cgroup import cap_threads
 from nbresume.preflight import Check, Report, preflight
 from nbresume.run import Run, current_run, init
+from nbresume.slurm import after_stop_save as _slurm_after_stop_save
 
-__version__ = "0.1.0.dev0"
+# The checkpoint core imports nothing above it: the platform's facts are handed to it here.
+_hooks.provide_session_deadline(_session_deadline)
+_hooks.provide_after_stop_save(_slurm_after_stop_save)  # in a Slurm job: ask for a requeue
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -18,7 +18,8 @@ from nbresume.errors import NbresumeError, StorageError, UsageError
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from nbresume.checkpoint.store import CheckpointStore, format_bytes
+    from nbresume.checkpoint.store import CheckpointStore
+    from nbresume.checkpoint.units import format_bytes
 
     store = CheckpointStore(args.dir, keep=None)
     infos = store.list()
@@ -72,7 +73,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     # the folder's writer lease meanwhile, and a live writer's lease refuses it by name.
     from nbresume.checkpoint.lease import holding
 
-    with holding(store.store, purpose="nbresume prune"):
+    with holding(store.backend, purpose="nbresume prune"):
         deleted = store.prune()
     left = [i.step for i in store.list()]
     print(f"deleted {len(deleted)} checkpoint(s): {deleted or 'none'}; kept steps {left}")
@@ -150,7 +151,7 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
     import time
 
     from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.platforms.base import format_duration
+    from nbresume.checkpoint.units import format_duration
     from nbresume.runner import find_state
 
     now = time.time() if now is None else now

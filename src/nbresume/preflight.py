@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nbresume import knobs
+from nbresume.checkpoint.units import format_duration
 from nbresume.errors import PreflightError, UsageError
 from nbresume.platforms import Platform, detect
-from nbresume.platforms.base import DangerClock, format_duration
+from nbresume.platforms.base import DangerClock
 from nbresume.platforms.cgroup import CpuFacts, MemoryFacts, read_cpu, read_memory
 from nbresume.platforms.gpu import (
     Gpu,
@@ -388,7 +389,7 @@ def check_durable(
 ) -> Check:
     """Whether ``location`` can hold the checkpoints: writable, enough bytes and inodes, and
     on storage that outlives the session."""
-    from nbresume.checkpoint.store import format_bytes
+    from nbresume.checkpoint.units import format_bytes
 
     if _is_url(location):
         if location.startswith("memory://"):
@@ -466,7 +467,7 @@ def check_durable(
 
 def check_memory(facts: MemoryFacts) -> Check:
     """The container's memory limit, and whether the kernel already killed for memory."""
-    from nbresume.checkpoint.store import format_bytes
+    from nbresume.checkpoint.units import format_bytes
 
     if facts.limit is not None:
         seen = f"limit {format_bytes(facts.limit)}"

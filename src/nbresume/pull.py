@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import importlib
 import os
 import re
@@ -50,8 +49,10 @@ from nbresume.checkpoint.format import (
     parse_manifest,
     step_dirname,
 )
+from nbresume.checkpoint.hashing import Digests, check_hashes, read_header
 from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, open_store
-from nbresume.checkpoint.store import CheckpointStore, VerifyResult, format_bytes, read_header
+from nbresume.checkpoint.store import CheckpointStore, VerifyResult
+from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CorruptCheckpointError, StorageError, UsageError
 
 #: Suffix of a file being copied (hidden: it starts with a dot).
@@ -265,28 +266,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _hash_local(path: Path, entry: FileEntry) -> tuple[int, Any, Any]:
-    sha = hashlib.sha256()
-    md5 = hashlib.md5(usedforsecurity=False) if entry.md5 else None
+def _hash_local(path: Path, digests: Digests) -> int:
+    """Hash a local file into ``digests``; return its size."""
     size = 0
     with open(path, "rb") as handle:
         while chunk := handle.read(CHUNK):
-            sha.update(chunk)
-            if md5 is not None:
-                md5.update(chunk)
+            digests.update(chunk)
             size += len(chunk)
-    return size, sha, md5
+    return size
 
 
-def _matches(entry: FileEntry, size: int, sha: Any, md5: Any) -> str:
+def _matches(entry: FileEntry, size: int, digests: Digests) -> str:
     """The mismatch between a file and its manifest entry, or ``""``."""
-    if size != entry.size:
-        relation = "larger" if size > entry.size else f"smaller ({size} bytes)"
-        return f"size mismatch: the manifest says {entry.size} bytes, the file is {relation}"
-    if sha.hexdigest() != entry.sha256:
-        return "sha256 mismatch: the file's bytes differ from its manifest"
-    if md5 is not None and md5.hexdigest() != entry.md5:
-        return "md5 mismatch: the file's bytes differ from its manifest"
+    try:
+        check_hashes("", entry, size, *digests.result())
+    except CorruptCheckpointError as exc:
+        return exc.message
     return ""
 
 
@@ -334,7 +329,7 @@ class Puller:
         remote = CheckpointStore(self.source, keep=None)
         # Folder names include an older copy standing in for a step whose replacement a
         # killed writer left unfinished: it is that step's only copy.
-        return {step: name for step, name in reversed(remote._checkpoint_folders())}
+        return {step: name for step, name in reversed(remote.checkpoint_folders())}
 
     def pull_one(self, step: int, folder: str) -> _Result | None:
         """Copy one checkpoint; ``None`` when the folder holds no manifest (never committed)."""
@@ -407,8 +402,8 @@ class Puller:
     def _pull_file(self, folder: str, name: str, entry: FileEntry, local: Path) -> tuple[str, str]:
         final = local / name
         if final.is_file():
-            size, sha, md5 = _hash_local(final, entry)
-            if not _matches(entry, size, sha, md5):
+            digests = Digests(md5=entry.md5 is not None, threaded=False)
+            if not _matches(entry, _hash_local(final, digests), digests):
                 return "here", ""
         part = local / f".{name}{PART_SUFFIX}"
         offset = part.stat().st_size if part.is_file() else 0
@@ -445,20 +440,15 @@ class Puller:
 
     def _copy(self, folder: str, name: str, entry: FileEntry, part: Path, offset: int) -> str:
         """Append the source file to ``part`` from ``offset``; return the mismatch, if any."""
-        if offset:
-            size, sha, md5 = _hash_local(part, entry)
-        else:
-            size, sha = 0, hashlib.sha256()
-            md5 = hashlib.md5(usedforsecurity=False) if entry.md5 else None
+        digests = Digests(md5=entry.md5 is not None, threaded=False)
+        size = _hash_local(part, digests) if offset else 0
         where = self.source.child(folder, name)
         with open(part, "ab") as out:
             try:
                 with self.source.open_read(folder, name) as handle:
                     for chunk in _read_source(handle, offset, entry.size, self.window):
                         out.write(chunk)
-                        sha.update(chunk)
-                        if md5 is not None:
-                            md5.update(chunk)
+                        digests.update(chunk)
                         size += len(chunk)
                         self.limit(len(chunk))
             except FileNotFoundError:
@@ -472,7 +462,7 @@ class Puller:
                 ) from exc
             out.flush()
             os.fsync(out.fileno())
-        return _matches(entry, size, sha, md5)
+        return _matches(entry, size, digests)
 
     def _commit(self, staging: Path, final: Path, raw: bytes) -> None:
         """Manifest last, then one rename: the checkpoint appears whole or not at all."""

@@ -44,6 +44,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, BinaryIO
 
+from nbresume.checkpoint.units import format_duration
 from nbresume.errors import NbresumeError, UsageError
 
 MARK = "[nbresume run]"
@@ -200,18 +201,6 @@ def group_alive(pgid: int | None) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def short_duration(seconds: float) -> str:
-    """``3725`` -> ``"1h02m"``, ``185`` -> ``"3m05s"``, ``12`` -> ``"12s"``."""
-    total = max(0, round(seconds))
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
 
 
 def job_environment(base: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
@@ -407,10 +396,11 @@ class Supervisor:
             # attempt, or two copies would write the same checkpoints.
             _end_group(self.proc.pid)
             delay = min(MAX_BACKOFF_S, self.state.backoff * 2 ** (attempt - 1))
+            ran = format_duration(time.time() - started, compact=True)
             self.say(
-                f"{outcome.headline} after {short_duration(time.time() - started)}: "
+                f"{outcome.headline} after {ran}: "
                 f"{outcome.reason}; starting the same command again in "
-                f"{short_duration(delay) if delay >= 1 else f'{delay:.1f}s'} "
+                f"{format_duration(delay, compact=True) if delay >= 1 else f'{delay:.1f}s'} "
                 f"(attempt {attempt + 1} of {self.state.attempts_allowed})"
             )
             self.state.status = "waiting"
@@ -439,7 +429,7 @@ class Supervisor:
         if outcome.reason:
             self.say(outcome.reason)
         # The last line, with a fixed shape that scripts can match.
-        total = short_duration(time.time() - self.state.started)
+        total = format_duration(time.time() - self.state.started, compact=True)
         self.say(f"{outcome.headline} after {total}", stamp=False)
         self.state.status = "exited"
         self.state.ended = time.time()
@@ -754,15 +744,11 @@ def _has_checkpoints(location: str) -> bool:
 
 
 def _ago(seconds: float) -> str:
-    from nbresume.platforms.base import format_duration
-
     return f"{format_duration(seconds)} ago"
 
 
 def _judge_process(state: RunState, now: float) -> tuple[str, bool, float | None]:
     """(what the processes say, whether that is healthy, when the current attempt began)."""
-    from nbresume.platforms.base import format_duration
-
     if state.status == "exited":
         ended = _ago(now - (state.ended or now))
         how = f"killed by {state.exit_signal}" if state.exit_signal else f"exit {state.exit_code}"
@@ -818,7 +804,6 @@ def _judge_checkpoint(location: str, now: float, started: float | None) -> tuple
     """(the newest checkpoint and its age, whether it verifies, a note when the job runs but
     has not saved for much longer than usual)."""
     from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.platforms.base import format_duration
 
     store = CheckpointStore(location, keep=None)
     try:

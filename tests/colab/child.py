@@ -110,7 +110,7 @@ def train(args: argparse.Namespace, out: Out) -> None:
         folder, god = str(mount().joinpath(*RUN_PARTS)), cloud()
     ckpt = Checkpointer(folder, every=args.every, keep=3, deadline=None,
                         callbacks=[event_logger(out, god)], model=model)  # fmt: skip
-    out(kind="store", store=type(ckpt.store.store).__name__)
+    out(kind="store", store=type(ckpt.store.backend).__name__)
     out(kind="resumed", step=ckpt.restore())
     for step in ckpt.steps(args.total):
         model.step(step)
@@ -185,7 +185,7 @@ def retention(args: argparse.Namespace, out: Out) -> None:
     # "mount": deletions go through the mount only, as a plain folder would do them.
     location: Any = LocalStore(folder) if args.mode == "mount" else str(folder)
     store = CheckpointStore(location, keep=2, md5=True)
-    out(kind="store", store=type(store.store).__name__)
+    out(kind="store", store=type(store.backend).__name__)
     for step in range(1, args.saves + 1):
         store.save(step, tensors={"model": {"w": np.full(args.floats, step, np.float32)}})
         arrived = wait_for(lambda s=step: landed(god, RUN_PARTS).get(s, False), args.wait)
@@ -218,7 +218,7 @@ def init(args: argparse.Namespace, out: Out) -> None:
     assert ckpt.durability is not None
     wait_for(lambda: not ckpt.durability.pending)  # type: ignore[union-attr]
     out(kind="init", platform=run.platform.name, dir=run.dir, again=again.dir,
-        store=type(ckpt.store.store).__name__, landed=landed(cloud(), RUN_PARTS))  # fmt: skip
+        store=type(ckpt.store.backend).__name__, landed=landed(cloud(), RUN_PARTS))  # fmt: skip
 
 
 def plain_path(args: argparse.Namespace, out: Out) -> None:
@@ -233,7 +233,7 @@ def plain_path(args: argparse.Namespace, out: Out) -> None:
     before = "nbresume.platforms.drive" in sys.modules
     folder = knobs.drive_mount() / "MyDrive" / "plain"
     ckpt = Checkpointer(str(folder), every=None, async_save=False, weights=Weights(100))
-    out(kind="plain", drive_loaded_before=before, store=type(ckpt.store.store).__name__)
+    out(kind="plain", drive_loaded_before=before, store=type(ckpt.store.backend).__name__)
 
 
 def mount_errors(args: argparse.Namespace, out: Out) -> None:

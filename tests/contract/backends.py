@@ -208,6 +208,9 @@ class Backend:
     shared_across_processes: bool = True
     #: Whether the store itself reports each file's MD5 (S3's ETag of a single-part upload).
     reports_md5: bool = False
+    #: Whether the backend has every manifest record MD5s (Google Drive compares them with the
+    #: MD5s Drive reports), not only when ``md5=True`` asks for them.
+    records_md5: bool = False
     #: The S3 endpoint everything must talk to, where there is one.
     endpoint: str | None = None
 
@@ -317,6 +320,25 @@ def start_moto_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
         server.kill()
         server.wait()
     raise RuntimeError(f"moto's S3 server did not start; its output is in {log}")
+
+
+# -- behind a write-back cache ----------------------------------------------------------------
+
+
+def settle(store: CheckpointStore, timeout: float = 60.0) -> None:
+    """Behind a write-back cache (Google Drive's mount), retention keeps older checkpoints
+    until the durable store confirms the newer ones: wait until it confirms every checkpoint,
+    then apply retention again, as the next save would. Other backends: nothing to do."""
+    backend = store.backend
+    if not backend.write_back:
+        return
+    deadline = time.monotonic() + timeout
+    for info in store.list():
+        while not backend.durability(info.name, info.manifest).saved:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{info.location} never reached the durable store")
+            time.sleep(0.05)
+    store.prune()
 
 
 # -- what another writer saves -----------------------------------------------------------------

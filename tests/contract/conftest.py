@@ -1,12 +1,15 @@
 """Fixtures of the storage contract: every backend, and the S3 server they run against.
 
 Each test of ``test_store_contract.py`` runs once per backend: a local path, a ``file://``
-URL, ``memory://``, and ``s3://`` through s3fs against moto's real S3 API server on loopback.
+URL, ``memory://``, ``s3://`` through s3fs against moto's real S3 API server on loopback, and
+a folder on Google Drive's mount, through the Colab stand-in (its DriveFS uploading to a
+simulated Drive, asked through the real Drive API client against its server on loopback).
 A backend is nothing more than a :class:`~.backends.Backend` built here.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +21,7 @@ import pytest
 
 from .backends import FAKE_AWS_ENV, Backend, loopback_only, start_moto_server
 
-BACKENDS = ["local", "file", "memory", "s3"]
+BACKENDS = ["local", "file", "memory", "s3", "drive"]
 
 
 @pytest.fixture(autouse=True)
@@ -126,6 +129,8 @@ def backend(
         if fs.exists(f"/{name}"):
             fs.rm(f"/{name}", recursive=True)
         assert not fs.exists(f"/{name}")
+    elif kind == "drive":
+        yield from drive_backend(tmp_path, monkeypatch)
     else:
         server: S3Server = request.getfixturevalue("s3_server")
         _set_env(monkeypatch, server.env)
@@ -142,7 +147,69 @@ def backend(
             endpoint=server.endpoint,
         )
         assert backend.endpoint_of(server.raw) == server.endpoint
-        store_fs = backend.open().store.fs  # type: ignore[attr-defined]
+        store_fs = backend.open().backend.fs  # type: ignore[attr-defined]
         assert backend.endpoint_of(store_fs) == server.endpoint
         yield backend
         server.raw.rm(bucket, recursive=True)
+
+
+def drive_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
+    """A folder on a mounted Google Drive: the stand-in's DriveFS (in this process) uploads to
+    a simulated Drive, which the real Drive API client asks through the stand-in's server.
+
+    This process never imports ``google.colab`` (that would make every later test here look
+    like Colab): the Drive API client is built here, with the stand-in's access token. Another
+    process (``other_process.py``) authorises the way Colab does, through the stand-in's
+    ``google.colab.auth``, which finds the credentials written here.
+    """
+    pytest.importorskip("googleapiclient", reason="needs google-api-python-client (test extra)")
+    standin = pytest.importorskip("colab_standin", reason="needs the google.colab stand-in")
+    from google.oauth2.credentials import Credentials
+    from googleapiclient.discovery import build
+
+    from nbresume.checkpoint.backends.drive import DriveApi
+
+    cloud_root = tmp_path / "cloud"
+    cloud = standin.Cloud(cloud_root)
+    server = standin.DriveServer(str(cloud_root)).start()
+    adc = tmp_path / "adc.json"
+    adc.write_text(json.dumps({
+        "type": "authorized_user", "client_id": "standin.apps.googleusercontent.com",
+        "client_secret": "standin-secret", "refresh_token": "standin-refresh-token",
+        "token": cloud.access_token, "expiry": "2099-01-01T00:00:00Z",
+    }))  # fmt: skip
+    for name, value in {
+        "COLAB_STANDIN_ROOT": str(cloud_root),
+        "COLAB_STANDIN_API_URL": server.url,
+        "COLAB_STANDIN_UPLOAD_LAG_S": "0.05",
+        "GOOGLE_APPLICATION_CREDENTIALS": str(adc),
+        "NBRESUME_DRIVE_API_URL": server.url,
+        "NBRESUME_DRIVE_MOUNT": str(tmp_path / "drive"),
+        "NBRESUME_DRIVE_POLL_S": "0.1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    service = build(
+        "drive",
+        "v3",
+        credentials=Credentials(cloud.access_token),
+        static_discovery=True,
+        cache_discovery=False,
+        client_options={"api_endpoint": server.url.rstrip("/") + "/drive/v3/"},
+    )
+    monkeypatch.setattr(DriveApi, "_shared", DriveApi(service))
+    mount = standin.drivefs.Mount(tmp_path / "drive", cloud_root)
+    mount.start()
+    root = mount.cache / "run"
+    try:
+        yield Backend(
+            "drive",
+            str(root),
+            fsspec.filesystem("file", auto_mkdir=True),
+            str(root),
+            object_store=False,
+            records_md5=True,
+        )
+    finally:
+        mount.stop()
+        server.stop()
+        cloud.close()

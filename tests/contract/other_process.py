@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from backends import install_loopback_guard, payload
+from backends import install_loopback_guard, payload, settle
 
 from nbresume.checkpoint.store import CheckpointStore
 
@@ -26,6 +26,7 @@ def main(location: str, options: dict[str, object] | None) -> None:
         for step, value in command.get("saves") or []:
             store.save(step, **payload(value))
         if command.get("prune_keep"):
+            settle(store)
             store.prune(keep=command["prune_keep"])
         print("done", flush=True)
 

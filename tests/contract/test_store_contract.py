@@ -25,7 +25,7 @@ from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
 from nbresume.cli import main
 from nbresume.errors import NoCheckpointError, UsageError
 
-from .backends import Backend, payload
+from .backends import Backend, payload, settle
 
 OTHER_PROCESS = Path(__file__).with_name("other_process.py")
 
@@ -167,7 +167,7 @@ def test_an_uncommitted_write_is_not_a_checkpoint_and_the_next_save_cleans_it(
     save_state(store, 1)
     # What a writer killed before its commit leaves behind: payload bytes, no manifest
     # (in a hidden temporary folder on a POSIX folder, in place on an object store).
-    layer = store.store
+    layer = store.backend
     folder = layer.begin(step_dirname(2))
     handle = layer.open_write(folder, "model.safetensors")
     handle.write(b"the first bytes of a checkpoint that never committed")
@@ -216,6 +216,7 @@ def test_retention_keeps_the_newest(backend: Backend) -> None:
     store = backend.open(keep=2)
     for step in range(1, 6):
         save_state(store, step)
+        settle(store)
         assert steps(backend.open(keep=None).list()) == list(range(max(1, step - 1), step + 1))
     # Nothing half-deleted or temporary is left behind, and what is kept verifies.
     assert backend.folders() == {step_dirname(4), step_dirname(5)}
@@ -231,6 +232,7 @@ def test_keep_best_keeps_the_best_by_metric(backend: Backend) -> None:
     losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7, 5: 0.6, 6: 0.8}
     for step, loss in losses.items():
         store.save(step, data={"state": {"step": step}}, metrics={"val_loss": loss})
+        settle(store)
     # The two newest, and step 2, the lowest loss.
     assert steps(store.list()) == [2, 5, 6]
     assert backend.folders() == {step_dirname(s) for s in (2, 5, 6)}
@@ -290,6 +292,7 @@ def test_retention_withdraws_a_checkpoint_from_view_in_one_step(backend: Backend
     with backend.recorded(keep=1) as (store, events):
         save_state(store, 1)
         save_state(store, 2)
+        settle(store)
 
     if backend.object_store:
         old_committed = events.index(("written", f"{old}/{MANIFEST_NAME}"))
@@ -333,7 +336,7 @@ def test_md5_is_recorded_and_matches_the_stored_bytes(backend: Backend) -> None:
     assert backend.open().verify().ok
 
     plain = save_state(backend.open(keep=None), 2)
-    assert all(entry.md5 is None for entry in plain.manifest.files.values())
+    assert all((e.md5 is not None) == backend.records_md5 for e in plain.manifest.files.values())
 
 
 def test_command_line_verify(backend: Backend, capsys: pytest.CaptureFixture[str]) -> None:
@@ -390,6 +393,7 @@ class OtherWriter:
             for step, value in saves:
                 self.store.save(step, **payload(value))
             if prune_keep:
+                settle(self.store)
                 self.store.prune(keep=prune_keep)
             return
         assert self.child is not None

@@ -172,7 +172,7 @@ def check_metric(call: str, value: object, default_name: str) -> dict[str, float
     """``metric=``: a number, or a mapping of names to numbers, as ``{name: float}``.
 
     A NaN or an infinity is a number too (a diverged loss): it is not recorded, with a
-    warning, rather than losing the checkpoint (see ``store._finite_metrics``).
+    warning, rather than losing the checkpoint (see ``pending._finite_metrics``).
     """
     if value is None:
         return {}

@@ -3,9 +3,11 @@
 Platforms with a hard cap (Kaggle: 9 h with a GPU, 12 h without; Colab: up to 12 h) end the
 session without a signal; a Slurm job ends at its time limit. ``deadline="auto"`` stops
 training cleanly before that, with a margin sized from the measured cost of a save, so that
-the last checkpoint is complete and a Kaggle commit ends without an error. The caps come from
-:mod:`nbresume.platforms`; NBRESUME_SESSION_START and NBRESUME_SESSION_CAP override the start
-and the cap (see :mod:`nbresume.knobs`).
+the last checkpoint is complete and a Kaggle commit ends without an error. The caps are the
+platforms' (:mod:`nbresume.platforms`), handed in as a value through
+:mod:`nbresume.checkpoint.hooks`: the core never asks the platform itself.
+NBRESUME_SESSION_START and NBRESUME_SESSION_CAP override the start and the cap (see
+:mod:`nbresume.knobs`).
 """
 
 from __future__ import annotations
@@ -41,22 +43,12 @@ def session_started_at() -> float:
 _PROCESS_STARTED = time.time()
 
 
-def session_cap_s() -> tuple[float | None, str]:
-    """The platform's session cap in seconds and its name (``None`` where there is none)."""
-    from nbresume.platforms import detect
-    from nbresume.platforms.gpu import accelerator_attached
-
-    platform = detect()
-    accelerated = accelerator_attached()
-    return platform.session_cap_s(accelerated), platform.cap_name(accelerated)
-
-
 def session_deadline() -> tuple[float | None, str]:
-    """When the platform ends this session (a Unix time) and what that limit is called."""
-    from nbresume.platforms import detect
-    from nbresume.platforms.gpu import accelerator_attached
+    """When the platform ends this session (a Unix time) and what that limit is called, as the
+    platform layer provides it (:mod:`nbresume.checkpoint.hooks`); no provider: no cap."""
+    from nbresume.checkpoint import hooks
 
-    return detect().session_deadline(accelerator_attached())
+    return hooks.session_deadline()
 
 
 _DEADLINE_FIX = (

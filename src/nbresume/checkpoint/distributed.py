@@ -18,8 +18,10 @@ With a default process group of more than one process (``torchrun``,
 
 Control messages go through the default group when it has a CPU backend (gloo); under a
 CUDA-only backend (NCCL) nbresume creates one gloo group of its own, so that a step boundary
-never waits for the GPU. Nothing here runs in a background thread: a collective from a second
-thread could interleave with the training loop's own and deadlock.
+never waits for the GPU. :class:`Solo` stands for the one process of a program without a
+process group, so that callers need no second path. Nothing here runs in a background
+thread: a collective from a second thread could interleave with the training loop's own and
+deadlock.
 """
 
 from __future__ import annotations
@@ -111,6 +113,29 @@ class Group:
         return _rebuild(json.loads(payload))
 
 
+class Solo(Group):
+    """One process and no process group: every collective returns this process's own part,
+    so that the code of a save or a restore reads the same with one process as with many."""
+
+    def __init__(self) -> None:
+        super().__init__(None, 0, 1)
+
+    def agree(self, flags: Sequence[int]) -> list[int]:
+        return [int(f) for f in flags]
+
+    def broadcast_ints(self, values: Sequence[int]) -> list[int]:
+        return [int(v) for v in values]
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        return data
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return [data]
+
+    def broadcast_error(self, error: BaseException | None) -> BaseException | None:
+        return error
+
+
 #: The group of the last lookup: (the default group it was made for, nbresume's group). The
 #: default group is held weakly, and the cache is emptied at exit: a process group that
 #: outlives ``destroy_process_group()`` into interpreter shutdown can abort the process there
@@ -157,6 +182,15 @@ def unpack(data: bytes, *, where: str) -> Any:
     document = json.loads(data[8 : 8 + size])
     tensors = tensorfile.decode(bytearray(data[8 + size :]), where=where)
     return unflatten(document, tensors, where=where)
+
+
+def gather(group: Group, tree: Any, *, name: str, where: str) -> list[Any] | None:
+    """Every rank's ``tree`` on rank 0, in rank order (``None`` on the other ranks): the
+    point every rank reaches before a save writes anything."""
+    packed = group.all_gather_bytes(pack(tree, name=name))
+    if group.rank != 0:
+        return None
+    return [unpack(data, where=f"{where} (rank {r})") for r, data in enumerate(packed)]
 
 
 def _as_tensor(data: bytes) -> Any:

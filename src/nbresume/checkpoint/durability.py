@@ -2,9 +2,9 @@
 
 Most stores are durable once a checkpoint reads back (a local disk, S3). Google Drive's mount
 is not: a write lands in a local cache and uploads later, and a disconnect loses whatever had
-not uploaded. For such a store (``Store.write_back``), a checkpoint that verified locally is
-*syncing* until the store's :meth:`~nbresume.checkpoint.storage.Store.durability` says that the
-durable copy itself matches the manifest; only then is it *saved*.
+not uploaded. For such a backend (``Backend.write_back``), a checkpoint that verified locally
+is *syncing* until the backend's :meth:`~nbresume.checkpoint.backends.base.Backend.durability`
+says that the durable copy itself matches the manifest; only then is it *saved*.
 
 :class:`DurabilityWatcher` asks that question in a background thread for each new checkpoint
 and reports the answer through the checkpointer's events (``syncing``, then ``durable``).
@@ -98,7 +98,7 @@ class DurabilityWatcher:
         self._wake.set()
 
     def _run(self) -> None:
-        interval = self.store.store.durability_poll_s
+        interval = self.store.backend.durability_poll_s
         while not self._closed:
             self._wake.wait(interval)
             if self._closed:
@@ -114,13 +114,13 @@ class DurabilityWatcher:
 
     def _check(self, info: CheckpointInfo, last_state: str, since: float) -> None:
         try:
-            folders = self.store.store.list_folders()
+            folders = self.store.backend.list_folders()
         except OSError:
             folders = [info.name]
         if info.name not in folders:
             self._drop(info)  # deleted by retention, or replaced
             return
-        durability = self.store.store.durability(info.name, info.manifest)
+        durability = self.store.backend.durability(info.name, info.manifest)
         if durability.saved:
             if self._drop(info):
                 self.events.emit(ev.DURABLE, info.step, location=info.location,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -108,6 +108,16 @@ class Manifest:
         return (json.dumps(document, indent=1, sort_keys=False, allow_nan=False) + "\n").encode()
 
 
+def check_version(version: object, supported: Collection[int], *, what: str, where: str) -> None:
+    """Refuse a document of a version this nbresume does not read (a newer writer's)."""
+    if version not in supported:
+        raise CorruptCheckpointError(
+            f"{what} {version!r} is not supported by this nbresume (it reads {sorted(supported)})",
+            where=where,
+            fix="upgrade nbresume: pip install -U nbresume",
+        )
+
+
 def parse_manifest(data: bytes, *, where: str, expected_step: int | None = None) -> Manifest:
     """Parse and validate a manifest; raise :class:`CorruptCheckpointError` naming ``where``.
 
@@ -134,13 +144,7 @@ def parse_manifest(data: bytes, *, where: str, expected_step: int | None = None)
     version = document.get("format_version")
     if not _is_int(version):
         raise bad("'format_version' is not an integer")
-    if version not in SUPPORTED_VERSIONS:
-        raise CorruptCheckpointError(
-            f"format version {version} is not supported by this nbresume "
-            f"(it reads {sorted(SUPPORTED_VERSIONS)})",
-            where=where,
-            fix="upgrade nbresume: pip install -U nbresume",
-        )
+    check_version(version, SUPPORTED_VERSIONS, what="format version", where=where)
     step = document.get("step")
     if not _is_int(step) or step < 0:
         raise bad("'step' is not a non-negative integer")

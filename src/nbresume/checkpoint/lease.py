@@ -51,19 +51,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
-import os
 import secrets
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from typing import Any
 
+from nbresume.checkpoint.lease_holder import (
+    LEASE_EXPIRY_S,
+    Holder,
+    format_utc,
+    judge,
+    this_process,
+)
 from nbresume.checkpoint.storage import Store
 from nbresume.errors import FolderInUseError, LeaseLostError, StorageError
 
@@ -71,12 +73,8 @@ log = logging.getLogger("nbresume")
 
 #: The lease file, directly in the checkpoint folder.
 LEASE_NAME = ".nbresume-lease.json"
-LEASE_FORMAT = "nbresume-lease"
-LEASE_VERSION = 1
 #: Seconds between two renewals by the holder.
 LEASE_RENEW_S = 30.0
-#: Seconds without renewal after which a lease from another machine is stale.
-LEASE_EXPIRY_S = 180.0
 #: Seconds a writer waits before reading back a lease it wrote without an atomic create.
 LEASE_SETTLE_S = 1.0
 #: Reads of a lease file that does not parse (a create caught between open and write).
@@ -84,182 +82,6 @@ _READ_TRIES = 5
 
 _HELD, _RELEASED, _LOST = "held", "released", "lost"
 
-
-@dataclass(frozen=True)
-class Holder:
-    """What a lease file says of the writer that holds the folder."""
-
-    token: str
-    host: str
-    pid: int
-    #: The machine beyond its host name: boot id and pid namespace ("" where unknown).
-    machine: str = ""
-    #: The process's start time as ``/proc/<pid>/stat`` gives it ("" where unknown).
-    started: str = ""
-    #: When the lease was taken and last renewed (Unix times, the holder's clock).
-    since: float = 0.0
-    renewed: float = 0.0
-    #: Seconds after ``renewed`` at which the lease is stale, seen from another machine.
-    expiry_s: float = LEASE_EXPIRY_S
-    #: The holder's program (``train.py``, ``ipykernel_launcher.py``) and what it holds it for.
-    program: str = ""
-    purpose: str = ""
-
-    def to_bytes(self) -> bytes:
-        document = {"format": LEASE_FORMAT, "version": LEASE_VERSION, **asdict(self)}
-        return json.dumps(document, indent=1).encode()
-
-    @classmethod
-    def parse(cls, data: bytes) -> Holder | None:
-        """The holder a lease file names, or ``None`` when it is not a lease that can be read."""
-        try:
-            document = json.loads(data)
-            if not isinstance(document, dict):
-                return None
-            renewed = float(document["renewed"])
-            return cls(
-                token=str(document["token"]),
-                host=str(document["host"]),
-                pid=int(document["pid"]),
-                machine=str(document.get("machine", "")),
-                started=str(document.get("started", "")),
-                since=float(document.get("since", renewed)),
-                renewed=renewed,
-                expiry_s=_sane_expiry(document.get("expiry_s")),
-                program=str(document.get("program", ""))[:200],
-                purpose=str(document.get("purpose", ""))[:200],
-            )
-        except (ValueError, TypeError, KeyError, RecursionError):
-            return None
-
-    def describe(self, now: float | None = None) -> str:
-        """``pid 1234 on host 'gpu-1' (train.py), holding it since ... UTC, renewed 12 s ago``."""
-        now = time.time() if now is None else now
-        what = f" ({self.program})" if self.program else ""
-        purpose = f" for {self.purpose}" if self.purpose else ""
-        return (
-            f"pid {self.pid} on host {self.host!r}{what}{purpose}, holding it since "
-            f"{_utc(self.since)}, renewed {_ago(now - self.renewed)}"
-        )
-
-
-def _sane_expiry(value: Any) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        return LEASE_EXPIRY_S
-    return seconds if 1.0 <= seconds <= 7 * 24 * 3600 else LEASE_EXPIRY_S
-
-
-def _utc(when: float) -> str:
-    return datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 0:
-        return f"{-seconds:.0f} s in the future by this machine's clock"
-    if seconds < 120:
-        return f"{seconds:.0f} s ago"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min ago"
-    return f"{seconds / 3600:.1f} h ago"
-
-
-# -- this process, and looking at another one ----------------------------------------------
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="ascii", errors="replace") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
-
-
-def _machine() -> str:
-    """This machine beyond its host name: containers and VMs can share a host name, and two
-    of them must not judge each other's processes by pid."""
-    boot = _read_text("/proc/sys/kernel/random/boot_id")
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = ""
-    return f"{boot}/{namespace}" if boot or namespace else ""
-
-
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a process from ``/proc/<pid>/stat``; ``None`` where unreadable."""
-    text = _read_text(f"/proc/{pid}/stat")
-    # The command name, in parentheses, may hold spaces and parentheses itself.
-    fields = text.rpartition(")")[2].split()
-    if len(fields) < 20:
-        return None
-    return fields[0], fields[19]
-
-
-def _has_proc() -> bool:
-    return os.path.exists("/proc/self/stat")
-
-
-def _process_runs(pid: int, started: str) -> bool:
-    """Whether the process ``pid`` that started at ``started`` still runs on this machine."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # it exists, under another user
-    except OSError:
-        return True  # cannot tell: never take over a lease that may be live
-    stat = _proc_stat(pid)
-    if stat is None:
-        # Without /proc (macOS) a reused pid cannot be told apart; with it, the process
-        # ended between the two looks.
-        return not _has_proc()
-    state, start = stat
-    if state in ("Z", "X"):
-        return False  # killed, not yet reaped by its parent
-    return not started or start == started
-
-
-def _program() -> str:
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return (name or "python")[:100]
-
-
-def _me(token: str, since: float, expiry_s: float, purpose: str) -> Holder:
-    stat = _proc_stat(os.getpid())
-    return Holder(
-        token=token,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        machine=_machine(),
-        started=stat[1] if stat else "",
-        since=since,
-        renewed=time.time(),
-        expiry_s=expiry_s,
-        program=_program(),
-        purpose=purpose,
-    )
-
-
-def _judge(holder: Holder, me: Holder, now: float) -> tuple[str, str]:
-    """("self" | "live" | "stale", why it is stale) for the lease ``holder`` holds."""
-    if holder.host == me.host and holder.machine == me.machine:
-        if holder.pid == me.pid and holder.started == me.started:
-            return "self", ""
-        if _process_runs(holder.pid, holder.started):
-            return "live", ""
-        return "stale", f"its process (pid {holder.pid} on this machine) is no longer running"
-    age = now - holder.renewed
-    if age > holder.expiry_s:
-        return "stale", f"it expired (not renewed for more than {holder.expiry_s:.0f} s)"
-    return "live", ""
-
-
-# -- the lease -------------------------------------------------------------------------------
 
 #: Leases held by this process, by token: a newer lease on the same folder supersedes them.
 _REGISTRY: dict[str, WriterLease] = {}
@@ -387,7 +209,7 @@ class WriterLease:
         return None, raw
 
     def _mine(self) -> Holder:
-        return _me(self.token, self._since, self.expiry_s, self.purpose)
+        return this_process(self.token, self._since, self.expiry_s, self.purpose)
 
     def _confirm(self, pause: float) -> None:
         """After ``pause`` seconds, read the lease file back; raise :class:`_Overwritten` when
@@ -414,7 +236,7 @@ class WriterLease:
             if current is None:
                 verdict, why = "stale", "its lease file cannot be read"
             else:
-                verdict, why = _judge(current, me, time.time())
+                verdict, why = judge(current, me, time.time())
             if current is not None and (
                 verdict == "live"
                 or (verdict == "self" and not replace_own and _held_here(current.token))
@@ -457,8 +279,8 @@ class WriterLease:
         if not here:
             fix += (
                 f". If that machine is gone, its lease expires at "
-                f"{_utc(holder.renewed + holder.expiry_s)} ({holder.expiry_s:.0f} s after its "
-                "last renewal) and a writer started after that takes over"
+                f"{format_utc(holder.renewed + holder.expiry_s)} ({holder.expiry_s:.0f} s after "
+                "its last renewal) and a writer started after that takes over"
             )
         return FolderInUseError(
             f"another process is writing checkpoints to this folder: {holder.describe()}",

@@ -181,7 +181,7 @@ def status(ref: str) -> int:
 def pull(ref: str, dst: str | None = None) -> int:
     """``nbresume pull owner/slug [DIR]``: download the latest version's output and verify
     every checkpoint in it. Exit 1 when any does not match its manifest."""
-    from nbresume.checkpoint.store import format_bytes
+    from nbresume.checkpoint.units import format_bytes
     from nbresume.kaggle.client import Kaggle
     from nbresume.kaggle.output import pull as pull_output
 

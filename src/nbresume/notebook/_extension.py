@@ -97,7 +97,7 @@ class ExtensionState:
 
     def tracker_status_text(self) -> str:
         """A few lines: the run, training progress, the last checkpoint, the session."""
-        from nbresume.checkpoint.store import format_bytes
+        from nbresume.checkpoint.units import format_bytes
 
         snap = self.tracker.snapshot()
         head = "nbresume"

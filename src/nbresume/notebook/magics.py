@@ -18,9 +18,9 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from nbresume.checkpoint.units import format_duration
 from nbresume.errors import NbresumeError
 from nbresume.notebook import once as markers
-from nbresume.platforms.base import format_duration
 
 USAGE = """\
 %nbresume doctor [--json] [--accelerator KIND] [--internet|--no-internet] [--dir DIR]
@@ -114,7 +114,7 @@ def verify(args: list[str]) -> None:
 
 def save(args: list[str]) -> None:
     """Save the shown Checkpointer's state now and wait until it verified."""
-    from nbresume.checkpoint.store import format_bytes
+    from nbresume.checkpoint.units import format_bytes
 
     if args:
         raise UsageError("%nbresume save takes no arguments")

@@ -162,7 +162,7 @@ class Panel:
 
     @staticmethod
     def _facts_html(snap: Snapshot) -> str:
-        from nbresume.checkpoint.store import format_bytes
+        from nbresume.checkpoint.units import format_bytes
 
         rows = []
         for fact in snap.facts:

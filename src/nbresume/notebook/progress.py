@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nbresume.checkpoint import events as ev
-from nbresume.platforms.base import format_duration
+from nbresume.checkpoint.units import format_duration
 
 if TYPE_CHECKING:
     from nbresume.checkpoint.checkpointer import Checkpointer
@@ -210,7 +210,7 @@ class Snapshot:
 
 def describe(view: CheckpointView, now: float) -> str:
     """``"step 1,500 saved (2 min ago, 12.3 MB)"``."""
-    from nbresume.checkpoint.store import format_bytes
+    from nbresume.checkpoint.units import format_bytes
 
     parts = []
     if view.at is not None:
@@ -697,7 +697,7 @@ class Tracker:
         free: int | None = None
         try:
             if ckpt is not None:
-                free = ckpt.store.store.free_space().bytes
+                free = ckpt.store.backend.free_space().bytes
             elif self.run is not None:
                 from nbresume.checkpoint.storage import open_store
 

@@ -89,7 +89,7 @@ class StatusLine:
     def line(self, snap: Snapshot) -> str:
         """The one-line summary: progress, the training since the last verified checkpoint (or
         the warning that it is too much), the last checkpoint, the session clock, free disk."""
-        from nbresume.checkpoint.store import format_bytes
+        from nbresume.checkpoint.units import format_bytes
 
         parts = [f"nbresume{' ' + snap.run_name if snap.run_name else ''}: {snap.progress_text()}"]
         # What a crash would lose comes before the last checkpoint, whose failure can be long:

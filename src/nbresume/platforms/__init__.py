@@ -47,4 +47,12 @@ def detect() -> Platform:
     return LocalPlatform()  # unreachable: LocalPlatform.detect() is always true
 
 
-__all__ = ["PLATFORMS", "DangerClock", "Platform", "by_name", "detect"]
+def session_deadline() -> tuple[float | None, str]:
+    """When this platform ends the session (a Unix time) and what that limit is called: what
+    ``deadline="auto"`` is given (registered in :mod:`nbresume.checkpoint.hooks`)."""
+    from nbresume.platforms.gpu import accelerator_attached
+
+    return detect().session_deadline(accelerator_attached())
+
+
+__all__ = ["PLATFORMS", "DangerClock", "Platform", "by_name", "detect", "session_deadline"]

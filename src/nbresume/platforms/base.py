@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from nbresume import knobs
+from nbresume.checkpoint.units import format_duration
 from nbresume.errors import StorageError, UsageError
 
 if TYPE_CHECKING:
@@ -206,18 +207,6 @@ def make_folder(path: Path) -> None:
             where=str(path),
             fix=f"pass dir= to nbresume.init, or set {knobs.HOME.name} to a writable folder",
         ) from None
-
-
-def format_duration(seconds: float) -> str:
-    """``5400`` -> ``"1 h 30 min"``; ``90`` -> ``"1 min 30 s"``."""
-    seconds = max(0.0, seconds)
-    hours, rest = divmod(round(seconds), 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
-    if minutes:
-        return f"{minutes} min {secs} s" if secs and minutes < 10 else f"{minutes} min"
-    return f"{secs} s"
 
 
 def is_inside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> bool:

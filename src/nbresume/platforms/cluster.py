@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 from nbresume import knobs
+from nbresume.checkpoint.units import format_duration
 from nbresume.platforms.base import (
     GPU_VISIBLE_FIX,
     HOUR,
     DangerClock,
     Platform,
-    format_duration,
     is_inside,
 )
 

@@ -211,7 +211,7 @@ def _copy_checkpoint(
     where it landed."""
     from nbresume.checkpoint.format import MANIFEST_NAME, step_dirname
 
-    src, dst = source.store, target.store
+    src, dst = source.backend, target.backend
     final = step_dirname(info.step)
     dst.recover(current="")
     folder = dst.begin(final)

@@ -1,0 +1,164 @@
+"""The fsspec backend: S3, GCS, Azure, ``memory://`` and any other fsspec file system.
+
+Protocol (:class:`~nbresume.checkpoint.backends.base.Backend`): object stores have neither an
+atomic rename nor fsync, so a checkpoint is written in place and its manifest, written last, is
+the commit; a folder without a manifest is not a checkpoint, and deleting removes the manifest
+first. Creating a small file is not atomic across processes (the writer lease reads it back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import IO, Any
+
+from nbresume.checkpoint.backends.base import SMALL_FILE_LIMIT, Backend
+from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
+
+
+class FsspecStore(Backend):
+    """Any fsspec file system. No atomic rename: the manifest, written last, is the commit."""
+
+    atomic_rename = False
+
+    def __init__(
+        self,
+        url: str,
+        fs: Any = None,
+        root: str | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``storage_options`` go to the fsspec file system (credentials, ``endpoint_url``...)."""
+        import fsspec
+
+        self.url = url
+        if fs is None:
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.fs = fs
+        self.root = (root or "").rstrip("/")
+        # memory:// lives in this process alone: no other process can create a file between
+        # our look and our write.
+        protocol = getattr(fs, "protocol", "")
+        self.atomic_create = "memory" in ((protocol,) if isinstance(protocol, str) else protocol)
+
+    @classmethod
+    def from_location(
+        cls, location: str, storage_options: Mapping[str, Any] | None = None
+    ) -> FsspecStore:
+        return cls(location, storage_options=storage_options)
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def _path(self, *names: str) -> str:
+        # An empty root (a bucket-less URL, a wrapped file system) must not add a leading "/".
+        return "/".join(part for part in (self.root, *names) if part)
+
+    def _ls(self, path: str) -> list[dict[str, Any]]:
+        # Listings are cached by some backends (s3fs): another process may have written since.
+        self.fs.invalidate_cache(path)
+        try:
+            entries: list[dict[str, Any]] = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        return entries
+
+    def list_folders(self) -> list[str]:
+        return [
+            e["name"].rstrip("/").rsplit("/", 1)[-1]
+            for e in self._ls(self.root)
+            if e.get("type") == "directory"
+        ]
+
+    def list_files(self, folder: str) -> list[str]:
+        return [
+            e["name"].rsplit("/", 1)[-1]
+            for e in self._ls(self._path(folder))
+            if e.get("type") == "file"
+        ]
+
+    def begin(self, final: str) -> str:
+        # Writing in place: an earlier copy of this step is withdrawn (its manifest first, as
+        # in delete()) and removed, so that until our manifest lands the folder is uncommitted
+        # rather than mixed, and no file of the old copy lingers next to the new manifest.
+        self.delete(final)
+        self.fs.makedirs(self._path(final), exist_ok=True)
+        return final
+
+    def open_write(self, folder: str, name: str) -> IO[bytes]:
+        handle: IO[bytes] = self.fs.open(self._path(folder, name), "wb")
+        return handle
+
+    def close_durably(self, handle: IO[bytes]) -> None:
+        handle.close()
+
+    def commit(self, folder: str, final: str) -> None:
+        self._check_writer()
+        if folder != final:
+            raise AssertionError(f"an fsspec store writes in place, got {folder!r} for {final!r}")
+
+    def open_read(self, folder: str, name: str) -> IO[bytes]:
+        path = self._path(folder, name)
+        # s3fs takes a file's size and ETag from a cached listing of its folder: after another
+        # writer replaced the file, that would read too few bytes or fail as "expired".
+        self.fs.invalidate_cache(path)
+        handle: IO[bytes] = self.fs.open(path, "rb")
+        return handle
+
+    def delete(self, folder: str) -> None:
+        # The manifest goes first: from then on the folder is not a checkpoint, whatever is
+        # left of it if we are interrupted.
+        self._check_writer()
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(folder, MANIFEST_NAME))
+        self.discard(folder)
+
+    def discard(self, folder: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._path(folder), recursive=True)
+
+    def recover(self, current: str) -> list[str]:
+        # Step folders without a manifest are writes that never committed.
+        from nbresume.checkpoint.format import parse_step_dirname
+
+        self._check_writer()
+        cleaned = []
+        for name in self.list_folders():
+            if name == current:
+                continue
+            hidden = name.startswith((TEMP_PREFIX, RETIRED_PREFIX))
+            if hidden or (
+                parse_step_dirname(name) is not None and MANIFEST_NAME not in self.list_files(name)
+            ):
+                self.discard(name)
+                cleaned.append(name)
+        return cleaned
+
+    def read_small(self, name: str) -> bytes | None:
+        path = self._path(name)
+        self.fs.invalidate_cache(path)
+        try:
+            data: bytes = self.fs.cat_file(path, start=0, end=SMALL_FILE_LIMIT)
+        except FileNotFoundError:
+            return None
+        return data
+
+    def create_small(self, name: str, data: bytes) -> bool:
+        # No atomic create-if-absent across fsspec backends: between this look and the write
+        # another process may create the file too, and the last write wins. Callers that need
+        # to be the only creator read the file back after a pause (see the writer lease).
+        if self.read_small(name) is not None:
+            return False
+        self.replace_small(name, data)
+        return True
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        if self.root:
+            self.fs.makedirs(self.root, exist_ok=True)
+        self.fs.pipe_file(self._path(name), data)
+
+    def remove_small(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(name))

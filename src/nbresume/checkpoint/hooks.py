@@ -1,0 +1,41 @@
+"""Facts and actions of the platform layer that the core uses, registered from above.
+
+The protocol: nothing under ``checkpoint/`` imports a platform module. The layer above
+(``nbresume/__init__.py``) registers, once, at import:
+
+- where the session deadline comes from (:func:`provide_session_deadline`), which
+  ``deadline="auto"`` asks for through :func:`session_deadline`; no provider: no cap;
+- the action after a stop-save on a signal (:func:`provide_after_stop_save`), which a
+  :class:`~nbresume.checkpoint.checkpointer.Checkpointer` takes from :data:`after_stop_save`
+  as its ``after_stop`` when it is made; ``None``: no action.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+_session_deadline: Callable[[], tuple[float | None, str]] | None = None
+
+#: ``after_stop_save(signum, step)``: called by the process that leads the job once the
+#: checkpoint of ``step`` is saved on the stop signal ``signum``, just before the process
+#: exits (inside a Slurm job, :func:`nbresume.slurm.after_stop_save` asks to be requeued). It
+#: must not raise.
+after_stop_save: Callable[[int, int], object] | None = None
+
+
+def provide_session_deadline(provider: Callable[[], tuple[float | None, str]] | None) -> None:
+    """Register ``provider() -> (unix time or None, what the limit is called)``."""
+    global _session_deadline  # noqa: PLW0603 -- this module is the registry
+    _session_deadline = provider
+
+
+def session_deadline() -> tuple[float | None, str]:
+    """When the platform ends this session (a Unix time, or ``None``) and what that limit is
+    called; ``(None, "")`` when no provider is registered."""
+    return _session_deadline() if _session_deadline is not None else (None, "")
+
+
+def provide_after_stop_save(action: Callable[[int, int], object] | None) -> None:
+    """Register the action after a stop-save on a signal."""
+    global after_stop_save  # noqa: PLW0603 -- this module is the registry
+    after_stop_save = action

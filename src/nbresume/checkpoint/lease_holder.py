@@ -1,0 +1,199 @@
+"""Who holds a writer lease, and whether that holder is still alive.
+
+A lease file records its holder (:class:`Holder`): host, process id and start time, the
+machine's boot id and pid namespace, and when the lease was taken and last renewed.
+:func:`judge` decides what a writer may do with a lease it found: ``"self"`` (held by this
+process), ``"live"`` (another writer that runs: refuse), or ``"stale"`` (a holder that is gone
+on this machine, or a lease from elsewhere not renewed within its expiry: take it over).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from nbresume.checkpoint.units import format_duration
+
+LEASE_FORMAT = "nbresume-lease"
+LEASE_VERSION = 1
+#: Seconds without renewal after which a lease from another machine is stale.
+LEASE_EXPIRY_S = 180.0
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What a lease file says of the writer that holds the folder."""
+
+    token: str
+    host: str
+    pid: int
+    #: The machine beyond its host name: boot id and pid namespace ("" where unknown).
+    machine: str = ""
+    #: The process's start time as ``/proc/<pid>/stat`` gives it ("" where unknown).
+    started: str = ""
+    #: When the lease was taken and last renewed (Unix times, the holder's clock).
+    since: float = 0.0
+    renewed: float = 0.0
+    #: Seconds after ``renewed`` at which the lease is stale, seen from another machine.
+    expiry_s: float = LEASE_EXPIRY_S
+    #: The holder's program (``train.py``, ``ipykernel_launcher.py``) and what it holds it for.
+    program: str = ""
+    purpose: str = ""
+
+    def to_bytes(self) -> bytes:
+        document = {"format": LEASE_FORMAT, "version": LEASE_VERSION, **asdict(self)}
+        return json.dumps(document, indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Holder | None:
+        """The holder a lease file names, or ``None`` when it is not a lease that can be read."""
+        try:
+            document = json.loads(data)
+            if not isinstance(document, dict):
+                return None
+            renewed = float(document["renewed"])
+            return cls(
+                token=str(document["token"]),
+                host=str(document["host"]),
+                pid=int(document["pid"]),
+                machine=str(document.get("machine", "")),
+                started=str(document.get("started", "")),
+                since=float(document.get("since", renewed)),
+                renewed=renewed,
+                expiry_s=_sane_expiry(document.get("expiry_s")),
+                program=str(document.get("program", ""))[:200],
+                purpose=str(document.get("purpose", ""))[:200],
+            )
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return None
+
+    def describe(self, now: float | None = None) -> str:
+        """``pid 1234 on host 'gpu-1' (train.py), holding it since ... UTC, renewed 12 s ago``."""
+        now = time.time() if now is None else now
+        what = f" ({self.program})" if self.program else ""
+        purpose = f" for {self.purpose}" if self.purpose else ""
+        return (
+            f"pid {self.pid} on host {self.host!r}{what}{purpose}, holding it since "
+            f"{format_utc(self.since)}, renewed {_ago(now - self.renewed)}"
+        )
+
+
+def _sane_expiry(value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return LEASE_EXPIRY_S
+    return seconds if 1.0 <= seconds <= 7 * 24 * 3600 else LEASE_EXPIRY_S
+
+
+def format_utc(when: float) -> str:
+    return datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 0:
+        return f"{format_duration(-seconds)} in the future by this machine's clock"
+    return f"{format_duration(seconds)} ago"
+
+
+# -- this process, and looking at another one ----------------------------------------------
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def _machine() -> str:
+    """This machine beyond its host name: containers and VMs can share a host name, and two
+    of them must not judge each other's processes by pid."""
+    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{boot}/{namespace}" if boot or namespace else ""
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of a process from ``/proc/<pid>/stat``; ``None`` where unreadable."""
+    text = _read_text(f"/proc/{pid}/stat")
+    # The command name, in parentheses, may hold spaces and parentheses itself.
+    fields = text.rpartition(")")[2].split()
+    if len(fields) < 20:
+        return None
+    return fields[0], fields[19]
+
+
+def _has_proc() -> bool:
+    return os.path.exists("/proc/self/stat")
+
+
+def _process_runs(pid: int, started: str) -> bool:
+    """Whether the process ``pid`` that started at ``started`` still runs on this machine."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    except OSError:
+        return True  # cannot tell: never take over a lease that may be live
+    stat = _proc_stat(pid)
+    if stat is None:
+        # Without /proc (macOS) a reused pid cannot be told apart; with it, the process
+        # ended between the two looks.
+        return not _has_proc()
+    state, start = stat
+    if state in ("Z", "X"):
+        return False  # killed, not yet reaped by its parent
+    return not started or start == started
+
+
+def _program() -> str:
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return (name or "python")[:100]
+
+
+def this_process(token: str, since: float, expiry_s: float, purpose: str) -> Holder:
+    stat = _proc_stat(os.getpid())
+    return Holder(
+        token=token,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        machine=_machine(),
+        started=stat[1] if stat else "",
+        since=since,
+        renewed=time.time(),
+        expiry_s=expiry_s,
+        program=_program(),
+        purpose=purpose,
+    )
+
+
+def judge(holder: Holder, me: Holder, now: float) -> tuple[str, str]:
+    """("self" | "live" | "stale", why it is stale) for the lease ``holder`` holds."""
+    if holder.host == me.host and holder.machine == me.machine:
+        if holder.pid == me.pid and holder.started == me.started:
+            return "self", ""
+        if _process_runs(holder.pid, holder.started):
+            return "live", ""
+        return "stale", f"its process (pid {holder.pid} on this machine) is no longer running"
+    age = now - holder.renewed
+    if age > holder.expiry_s:
+        return "stale", f"it expired (not renewed for more than {holder.expiry_s:.0f} s)"
+    return "live", ""
+
+
+# -- the lease -------------------------------------------------------------------------------

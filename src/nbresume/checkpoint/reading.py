@@ -1,0 +1,434 @@
+"""Reading checkpoints back: verified reads, verification, and the reading policy.
+
+The protocol of a read (every function below keeps it):
+
+1. A checkpoint is a folder named by its step that holds a manifest which parses
+   (:func:`read_manifest`); a step folder without one is a save that never committed and is
+   not a checkpoint. A folder moved aside while its step was being replaced stands in for
+   the step when no folder of the step's name exists (:func:`checkpoint_folders`).
+2. Every file is read once into memory while threads hash it; its size and hashes are
+   checked against the manifest before a byte of it is parsed (:func:`read_verified`). The
+   header of a safetensors file alone is checked against the file's size first, so that a
+   file claiming more bytes than it holds is refused before memory is spent on it.
+3. Verification (:func:`verify_folder`) reads every file back the same way, or, right after
+   a save, compares it byte for byte with the bytes still in memory that were hashed into the
+   manifest; it then checks what a load would parse (headers, JSON, ``state.json``).
+4. Loading takes the newest checkpoint that verifies, passes over newer ones that do not with
+   one warning naming each, and raises NoCheckpointError when none is usable
+   (:func:`newest_that_loads`, used by every reader of the package, sharded loads included).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from nbresume.checkpoint import state as state_document
+from nbresume.checkpoint import tensorfile
+from nbresume.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    parse_manifest,
+    parse_step_dirname,
+)
+from nbresume.checkpoint.hashing import (
+    THREAD_MIN_BYTES,
+    Buffer,
+    Digests,
+    Head,
+    ReadBackBuffers,
+    check_hashes,
+    check_size,
+    new_buffer,
+    read_hashing,
+    read_header,
+    read_unsized,
+)
+from nbresume.checkpoint.info import LoadedCheckpoint, VerifyResult
+from nbresume.checkpoint.storage import (
+    READ_CHUNK,
+    LocalStore,
+    Store,
+    handle_size,
+    read_into,
+    replaced_step,
+)
+from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+
+#: Largest JSON file of a checkpoint (a sharded checkpoint's metadata is the largest one).
+MAX_JSON_BYTES = 256 << 20
+
+
+def checkpoint_folders(store: Store) -> list[tuple[int, str]]:
+    """(step, name) of every folder named like a checkpoint, newest first.
+
+    A writer killed while replacing a step can leave the older copy moved aside and no
+    folder of the step's name; that copy then stands in for the step (the next writer
+    moves it back), so that a checkpoint reported as saved never drops out of view.
+    """
+    found = []
+    stand_ins: dict[int, str] = {}
+    for name in store.list_folders():
+        step = parse_step_dirname(name)
+        if step is not None:
+            found.append((step, name))
+        elif (step := parse_step_dirname(replaced_step(name) or "")) is not None:
+            stand_ins.setdefault(step, name)
+    present = {step for step, _ in found}
+    found += [(step, name) for step, name in stand_ins.items() if step not in present]
+    return sorted(found, reverse=True)
+
+
+def read_manifest(store: Store, name: str, step: int) -> Manifest:
+    where = store.child(name, MANIFEST_NAME)
+    try:
+        raw = store.read_bytes(name, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            "no manifest: the checkpoint was never committed", where=store.child(name)
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # a FIFO, a link or a folder: never opened
+            raise CorruptCheckpointError(
+                "the manifest is not a regular file (a FIFO, a link or a folder)", where=where
+            ) from None
+        raise CorruptCheckpointError(f"cannot read the manifest: {exc}", where=where) from None
+    return parse_manifest(bytes(raw), where=where, expected_step=step)
+
+
+def verify_folder(
+    store: Store,
+    name: str,
+    expected_manifest: bytes | None = None,
+    written: Mapping[str, Sequence[Buffer]] | None = None,
+) -> VerifyResult:
+    """Check a checkpoint folder against its manifest.
+
+    With ``expected_manifest`` (right after a save) the manifest must read back as those
+    bytes, and a file whose bytes are in ``written`` (the very memory that was hashed into
+    that manifest and written) is read back and compared with them byte for byte; every
+    other file is read back and re-hashed.
+    """
+    step = parse_step_dirname(replaced_step(name) or name)
+    assert step is not None
+    location = store.child(name)
+    try:
+        manifest = read_manifest(store, name, step)
+        if expected_manifest is not None and manifest.to_bytes() != expected_manifest:
+            raise CorruptCheckpointError("the manifest read back differs", where=location)
+        buffers = ReadBackBuffers()
+        heads: dict[str, bytes] = {}
+        for file_name, entry in manifest.files.items():
+            if expected_manifest is not None and written and file_name in written:
+                compare_file(store, name, file_name, entry, written[file_name], buffers=buffers)
+            else:
+                heads[file_name] = hash_file(store, name, file_name, entry)
+        if expected_manifest is None:
+            # What restore would refuse, verify reports: headers, JSON, references.
+            check_contents(store, name, manifest, heads)
+    except CorruptCheckpointError as exc:
+        return VerifyResult(name, step, location, ok=False, problem=str(exc))
+    except FileNotFoundError as exc:
+        return VerifyResult(
+            name, step, location, ok=False, problem=f"missing file: {exc.filename or exc}"
+        )
+    except OSError as exc:
+        return VerifyResult(name, step, location, ok=False, problem=f"cannot read: {exc}")
+    return VerifyResult(name, step, location, ok=True, size=manifest.payload_bytes)
+
+
+def compare_file(
+    store: Store,
+    name: str,
+    file_name: str,
+    entry: FileEntry,
+    written: Sequence[Buffer],
+    *,
+    buffers: ReadBackBuffers,
+) -> None:
+    """Read a file back and compare it with the bytes it was written from."""
+    where = store.child(name, file_name)
+    size = 0
+    with store.open_read(name, file_name) as handle:
+        for chunk in written:
+            view = memoryview(chunk).cast("B")
+            for start in range(0, view.nbytes, READ_CHUNK):
+                piece = view[start : start + READ_CHUNK]
+                buffer = buffers.get(piece.nbytes)
+                count = read_into(handle, memoryview(buffer))
+                size += count
+                if count < piece.nbytes:
+                    check_size(where, entry, size)  # the file is too short: says so
+                # bytearray == buffer is one memcmp (a memoryview on the left is not).
+                if buffer != piece:
+                    raise CorruptCheckpointError(
+                        "the bytes read back differ from the bytes written", where=where
+                    )
+        if handle.read(1):
+            size += 1
+    check_size(where, entry, size)
+
+
+def hash_file(store: Store, name: str, file_name: str, entry: FileEntry) -> bytes:
+    """Read a file back and check its size and hashes against ``entry``: each piece is
+    hashed in a thread while the next one is read. Returns the bytes that its contents
+    check needs (the header of a safetensors file, all of a JSON file), kept as read."""
+    where = store.child(name, file_name)
+    check_json_size(where, file_name, entry)
+    head = Head(file_name, entry.size)
+    capacity = min(READ_CHUNK, entry.size + 1)  # one byte more shows a file too large
+    ring: list[bytearray] = []
+    digests = Digests(md5=entry.md5 is not None, threaded=entry.size >= THREAD_MIN_BYTES)
+    size = 0
+    try:
+        with store.open_read(name, file_name) as handle:
+            for index in itertools.count():
+                if len(ring) < 3:
+                    ring.append(bytearray(capacity))
+                else:
+                    digests.wait(index - len(ring) + 1)  # the buffer is hashed: reuse it
+                buffer = memoryview(ring[index % len(ring)])
+                count = read_into(handle, buffer)
+                if count:
+                    digests.update(buffer[:count])
+                    head.feed(buffer[:count])
+                    size += count
+                if count < capacity or size > entry.size:
+                    break
+        sha256, md5 = digests.result()
+    finally:
+        digests.cancel()
+    check_hashes(where, entry, size, sha256, md5)
+    return bytes(head.data)
+
+
+def check_contents(store: Store, name: str, manifest: Manifest, heads: Mapping[str, bytes]) -> None:
+    """Check what a load would parse, from the heads :meth:`_hash_file` kept: every
+    safetensors header against its file's size, every JSON file, and a Checkpointer's
+    ``state.json`` with every tensor it refers to."""
+    specs: dict[str, dict[str, Any]] = {}
+    documents: dict[str, Any] = {}
+    for file_name, head in heads.items():
+        where = store.child(name, file_name)
+        stem, kind = file_name.rsplit(".", 1)
+        if kind == "safetensors":
+            total = manifest.files[file_name].size
+            _, specs[stem], _ = tensorfile.parse_header(head, where=where, total=total)
+        else:
+            documents[stem] = parse_json(head, where=where)
+    decode_state(documents, specs, where=store.child(name, f"{STATE_FILE}.json"))
+
+
+def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> dict[str, memoryview]:
+    """Every file of ``files`` read once into a buffer of its own, its size and hashes
+    checked against ``files`` before it is returned.
+
+    Each file is read straight into its final buffer in pieces, each piece hashed in a
+    thread while the next is read; the hashes of different files run in parallel (the
+    largest file is read first, so that its hash, the longest, starts first).
+    """
+    pending: list[tuple[str, FileEntry, memoryview, int, Digests]] = []
+    try:
+        for file_name, entry in sorted(files.items(), key=lambda item: -item[1].size):
+            where = store.child(name, file_name)
+            try:
+                with store.open_read(name, file_name) as handle:
+                    known = handle_size(handle)
+                    digests = Digests(
+                        md5=entry.md5 is not None, threaded=entry.size >= THREAD_MIN_BYTES
+                    )
+                    pending.append((file_name, entry, memoryview(b""), 0, digests))
+                    check_json_size(where, file_name, entry)
+                    if known is None:
+                        buffer, size = read_unsized(handle, entry.size, digests)
+                    else:
+                        # A safetensors header is read and checked against the size
+                        # first: a file that claims more bytes than its tensors account
+                        # for (a sparse file of gigabytes) is refused before the rest is
+                        # read, so memory is bounded by what is valid.
+                        head = b""
+                        if file_name.endswith(".safetensors"):
+                            head = read_header(handle, entry.size, where=where)
+                        buffer = new_buffer(min(known, entry.size))
+                        buffer[: len(head)] = head
+                        if head:
+                            digests.update(buffer[: len(head)])
+                        size = len(head) + read_hashing(handle, buffer[len(head) :], digests)
+                        if size == entry.size and handle.read(1):
+                            size += 1  # more bytes than the manifest says
+            except FileNotFoundError:
+                raise CorruptCheckpointError("the file is missing", where=where) from None
+            except OSError as exc:
+                raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
+            pending[-1] = (file_name, entry, buffer, size, digests)
+        results = {item[0]: item for item in pending}
+        out: dict[str, memoryview] = {}
+        for file_name in files:  # checked in the manifest's order
+            _, entry, buffer, size, digests = results[file_name]
+            sha256, md5 = digests.result()
+            check_hashes(store.child(name, file_name), entry, size, sha256, md5)
+            out[file_name] = buffer
+        return out
+    finally:
+        for *_, digests in pending:
+            digests.cancel()
+
+
+def has_manifest(store: Store, name: str) -> bool:
+    """Whether the folder holds anything named ``manifest.json``. One that is not a
+    regular file (a FIFO, a link, a folder) makes a broken checkpoint, never a save that
+    did not commit: it is reported, not passed over in silence (and never opened)."""
+    if isinstance(store, LocalStore):
+        try:
+            os.lstat(store.root / name / MANIFEST_NAME)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return True  # cannot tell: report the folder rather than pass over it
+        return True
+    try:
+        return MANIFEST_NAME in store.list_files(name)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: report the folder rather than pass over it in silence
+
+
+#: The Checkpointer's state document (``state.json``), checked by load and verify alike,
+#: and its generator states (``rng.safetensors``).
+STATE_FILE = "state"
+RNG_FILE = "rng"
+
+
+def parse_json(buffer: Buffer, *, where: str) -> Any:
+    """A JSON file of a checkpoint, its nesting bounded (nothing later can recurse too deep)."""
+    try:
+        document = json.loads(str(buffer, "utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpointError("not valid JSON", where=where) from None
+    state_document.check_depth(document, where=where)
+    return document
+
+
+def decode_state(
+    documents: Mapping[str, Any], tensors: Mapping[str, Mapping[str, Any]], *, where: str
+) -> state_document.SavedState | None:
+    """A Checkpointer's ``state.json`` checked against the tensors it refers to (``None``
+    when the checkpoint has none: a store user's own files). A ``state.json`` next to an
+    ``rng.safetensors`` is a Checkpointer's whatever it holds, so that a document replaced
+    by something else entirely is refused here too."""
+    if STATE_FILE not in documents:
+        return None
+    document = documents[STATE_FILE]
+    if not state_document.is_state_document(document) and RNG_FILE not in tensors:
+        return None
+    return state_document.decode_state(document, tensors, where=where)
+
+
+def check_json_size(where: str, file_name: str, entry: FileEntry) -> None:
+    if file_name.endswith(".json") and entry.size > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(
+            f"the manifest says {entry.size} bytes, more than the limit of {MAX_JSON_BYTES} "
+            "for a JSON file",
+            where=where,
+        )
+
+
+def load_folder(store: Store, step: int, name: str, framework: str) -> LoadedCheckpoint:
+    """One checkpoint read, verified and decoded (raises CorruptCheckpointError)."""
+    manifest = read_manifest(store, name, step)
+    loaded = LoadedCheckpoint(step, store.child(name), manifest)
+    # Nothing is parsed before every file's hash matched (a safetensors header excepted:
+    # it is checked against the file's size before the tensor bytes are read).
+    decode_files(store, name, read_verified(store, name, manifest.files), loaded, framework)
+    return loaded
+
+
+def decode_files(
+    store: Store,
+    name: str,
+    buffers: Mapping[str, Buffer],
+    loaded: LoadedCheckpoint,
+    framework: str = "torch",
+) -> None:
+    """Decode verified files into ``loaded`` by their kind (safetensors or JSON), then check
+    a Checkpointer's ``state.json`` against the tensors it refers to."""
+    for file_name, buffer in buffers.items():
+        where = store.child(name, file_name)
+        stem, kind = file_name.rsplit(".", 1)
+        if kind == "safetensors":
+            view = buffer if isinstance(buffer, (bytearray, memoryview)) else memoryview(buffer)
+            loaded.tensors[stem] = tensorfile.decode(view, where=where, framework=framework)
+        else:
+            loaded.data[stem] = parse_json(buffer, where=where)
+    loaded.state = decode_state(
+        loaded.data, loaded.tensors, where=store.child(name, f"{STATE_FILE}.json")
+    )
+
+
+def newest_that_loads(
+    candidates: Iterable[tuple[int, str]],
+    load_one: Callable[[int, str], LoadedCheckpoint | None],
+    *,
+    location: str,
+    step: int | None,
+    check: Callable[[LoadedCheckpoint], None] | None = None,
+) -> LoadedCheckpoint:
+    """The reading policy: the first of ``candidates`` (newest first) that loads.
+
+    ``load_one`` returns the checkpoint, ``None`` for a folder that was never committed
+    (not a checkpoint: passed over in silence), or raises CorruptCheckpointError (passed over
+    with a warning). ``check`` validates a checkpoint that loaded: a CorruptCheckpointError
+    passes it over as a failed verification; any other CheckpointError (it does not fit)
+    passes it over too and is raised, the newest one, when no older checkpoint is usable.
+    Raises NoCheckpointError when none is usable.
+    """
+    skipped: list[VerifyResult] = []
+    misfit: CheckpointError | None = None
+    for found_step, name in candidates:
+        where = "/".join([location.rstrip("/"), name])
+        try:
+            loaded = load_one(found_step, name)
+        except CorruptCheckpointError as exc:
+            skipped.append(VerifyResult(name, found_step, where, False, str(exc)))
+            continue
+        if loaded is None:
+            continue
+        try:
+            if check is not None:
+                check(loaded)
+        except CheckpointError as exc:
+            if not isinstance(exc, CorruptCheckpointError):
+                misfit = misfit or exc
+            skipped.append(VerifyResult(name, found_step, where, False, str(exc)))
+            continue
+        loaded.skipped = skipped
+        if skipped:
+            message = "; ".join(r.problem for r in skipped)
+            reason = "failed verification" + (" or do not fit" if misfit else "")
+            warnings.warn(
+                f"nbresume: skipped {len(skipped)} newer checkpoint(s) that {reason} "
+                f"({message}); using step {found_step}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return loaded
+    if misfit is not None:
+        raise misfit  # the objects changed: that, not corruption, is what to report
+    if step is not None and not skipped:
+        raise NoCheckpointError(f"there is no checkpoint of step {step}", where=location)
+    if skipped:
+        raise NoCheckpointError(
+            f"no checkpoint verifies ({len(skipped)} checked): "
+            + "; ".join(r.problem for r in skipped),
+            where=location,
+            fix="run `nbresume verify` on the folder for details",
+        )
+    raise NoCheckpointError("there is no checkpoint yet", where=location)

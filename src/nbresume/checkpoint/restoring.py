@@ -1,0 +1,356 @@
+"""Restoring a checkpoint into the live objects: check everything, then apply all or nothing.
+
+The protocol of one restore, whatever the distributed mode:
+
+1. **Plan** (:func:`plan`): decode the checkpoint's ``state.json`` and this rank's RNG states,
+   and compare every saved object with the live one (names, shapes, dtypes of modules and
+   optimizers). Nothing is changed. A checkpoint that does not fit raises
+   :class:`DoesNotFit`, so that the store's reader passes it over for the next older one;
+   when none fits, :func:`no_fit` is the one error the caller raises.
+2. **Apply** (:func:`apply`): put the checked plan into the RNGs and every object. Objects
+   whose state could not be checked are loaded first, each after a snapshot of its state; if
+   a load still fails, every object loaded so far and the RNGs are put back as they were.
+   Saved state of objects not registered yet is kept for when they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from nbresume.checkpoint.snapshot import STATE_FILE
+from nbresume.checkpoint.state import (
+    SavedState,
+    capture_rng,
+    decode_state,
+    is_state_document,
+    restore_rng,
+)
+from nbresume.checkpoint.store import LoadedCheckpoint
+from nbresume.checkpoint.trainable import TrainableOnly
+from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeError
+
+
+class RestorePlan:
+    """A checkpoint checked against the live objects, ready to be put into them."""
+
+    def __init__(self, where: str, saved: SavedState, rng: Any, missing: list[str]) -> None:
+        self.where = where
+        self.saved = saved
+        self.rng = rng
+        self.missing = missing
+
+
+def plan(
+    loaded: LoadedCheckpoint, objects: Mapping[str, Any], *, rank: int, world_size: int
+) -> RestorePlan:
+    """Decode and check everything a restore needs from ``loaded`` without changing
+    anything: the state document, this rank's RNG states, and the match between every
+    saved object and the live one (names, shapes, dtypes)."""
+    where = f"{loaded.location}/{STATE_FILE}.json"
+    saved = loaded.state
+    if saved is None:
+        document = loaded.data.get(STATE_FILE)
+        if not is_state_document(document):
+            raise CorruptCheckpointError(
+                "state.json is missing or is not a Checkpointer's state", where=where
+            )
+        saved = decode_state(document, loaded.tensors, where=where)
+    rng = rank_rng(saved, rank=rank, world_size=world_size, where=loaded.location)
+    differences: list[str] = []
+    files: list[str] = []  # the tensor files of the objects that differ
+    for name, tree in saved.objects.items():
+        if name in objects:
+            try:
+                found = _differences(name, objects[name], tree)
+            except Exception as exc:  # a saved tree of an unexpected form
+                found = [f"{name}: the saved state cannot be compared with it ({exc!r})"]
+            differences += found
+            if found and f"{name}.safetensors" in loaded.manifest.files:
+                files.append(f"{loaded.location}/{name}.safetensors")
+    if differences:
+        shown = "; ".join(differences[:8])
+        more = f"; and {len(differences) - 8} more" if len(differences) > 8 else ""
+        raise DoesNotFit(
+            f"the checkpoint of step {loaded.step} does not fit the objects given: {shown}{more}",
+            where=", ".join(files) or where,
+            fix=_NO_FIT_FIX,
+            step=loaded.step,
+            differences=differences,
+        )
+    missing = sorted(objects.keys() - saved.objects.keys() - set(saved.sharded))
+    return RestorePlan(loaded.location, saved, rng, missing)
+
+
+def apply(checked: RestorePlan, objects: Mapping[str, Any], pending: dict[str, Any]) -> None:
+    """Put a checked plan into the RNGs and every object, all or nothing: objects whose
+    state was not checked against a live copy are loaded first, each after a snapshot, and
+    if one still fails, every one loaded so far and the RNGs are put back as they were.
+    Saved state of objects not in ``objects`` goes into ``pending``."""
+    saved = checked.saved
+    rng_before = capture_rng()
+    # Unchecked objects first (each can be put back), then optimizers, whose loading has
+    # more ways to fail than a module's, and the modules last.
+    order = sorted(
+        (n for n in saved.objects if n in objects),
+        key=lambda n: (_is_checked_kind(objects[n]), is_module(objects[n])),
+    )
+    undo: list[tuple[str, Any, Any]] = []
+    try:
+        restore_rng(checked.rng)
+        for name in order:
+            obj = objects[name]
+            before = None if _is_checked_kind(obj) else _snapshot(obj)
+            if before is not None:
+                undo.append((name, obj, before))  # the failing one too: it may be half done
+            load_object(name, obj, saved.objects[name])
+    except BaseException:
+        for _, obj, before in reversed(undo):
+            with contextlib.suppress(Exception):
+                obj.load_state_dict(before)
+        restore_rng(rng_before)
+        raise
+    for name, tree in saved.objects.items():
+        if name not in objects:
+            pending[name] = tree
+    for name in checked.missing:
+        warnings.warn(
+            f"nbresume: the checkpoint at {checked.where} holds no state for {name!r}; "
+            "it keeps its current state",
+            RuntimeWarning,
+            stacklevel=_outside_nbresume(),
+        )
+
+
+def load_object(name: str, obj: Any, tree: Any) -> None:
+    """``obj.load_state_dict(tree)``, its failure named and given a fix."""
+    try:
+        obj.load_state_dict(tree)
+    except NbresumeError:
+        raise  # it names what is wrong and the fix already
+    except Exception as exc:
+        raise CheckpointError(
+            f"restoring {name!r} failed: {exc}",
+            fix="the object must be built exactly as in the run that saved it "
+            "(same model, optimizer and parameter groups)",
+        ) from exc
+
+
+def _outside_nbresume() -> int:
+    """The ``stacklevel`` of a warning that points at the first caller outside nbresume."""
+    package = os.path.dirname(os.path.dirname(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def is_module(value: Any) -> bool:
+    torch_nn = sys.modules.get("torch.nn")
+    return torch_nn is not None and isinstance(value, torch_nn.Module)
+
+
+def rank_rng(saved: SavedState, *, rank: int, world_size: int, where: str) -> Any:
+    """This rank's RNG states from a checked ``state.json``.
+
+    A checkpoint of a job of N processes resumes only in a job of N processes: the data
+    each rank sees (DistributedSampler) and its random stream depend on N. One process with
+    no process group (a notebook loading weights to evaluate them) may load it: it gets rank
+    0's RNG states, with a warning.
+    """
+    if saved.world_size != world_size and world_size > 1:
+        raise CheckpointError(
+            f"this checkpoint was saved by a job of {saved.world_size} process(es), and this "
+            f"job has {world_size}",
+            where=where,
+            fix=f"resume with {saved.world_size} processes (torchrun --nproc_per_node "
+            f"{saved.world_size} ...); to go on with {world_size} anyway, start a new run "
+            "folder from these weights (the data split and the random streams depend on the "
+            "number of processes, so the run would not continue exactly)",
+        )
+    if saved.world_size != world_size:
+        warnings.warn(
+            f"nbresume: the checkpoint at {where} was saved by {saved.world_size} processes and "
+            "is loaded by one; it gets rank 0's random state, so training from here is not an "
+            "exact continuation",
+            RuntimeWarning,
+            stacklevel=_outside_nbresume(),
+        )
+    return saved.rng if rank == 0 else saved.rank_rng[rank - 1]
+
+
+_NO_FIT_FIX = (
+    "build the model and optimizer exactly as in the run that saved these checkpoints to "
+    "resume it; to train the changed model from scratch, start a new run: a new run name or "
+    "another dir= (nbresume never starts over on its own)"
+)
+#: Per-parameter optimizer state that has the parameter's shape in torch's own optimizers.
+_PARAMETER_SHAPED = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+     "sum", "exp_inf", "ax", "prev", "step_size", "grad_avg"}
+)  # fmt: skip
+
+
+class DoesNotFit(CheckpointError):
+    """A checkpoint whose saved objects differ from the live ones (names, shapes, dtypes)."""
+
+    def __init__(
+        self, message: str, *, where: str, fix: str, step: int, differences: list[str]
+    ) -> None:
+        self.step = step
+        self.differences = differences
+        super().__init__(message, where=where, fix=fix)
+
+
+def no_fit(newest: DoesNotFit, misfits: list[DoesNotFit], location: str) -> CheckpointError:
+    """The one error of a restore that found no checkpoint fitting the objects given."""
+    steps = ", ".join(str(m.step) for m in misfits) or str(newest.step)
+    shown = "; ".join(newest.differences[:8])
+    more = f"; and {len(newest.differences) - 8} more" if len(newest.differences) > 8 else ""
+    return CheckpointError(
+        f"no checkpoint in {location} fits the objects given: the model or optimizer "
+        f"changed (checked step(s) {steps}). Step {newest.step} differs: {shown}{more}",
+        where=newest.where,
+        fix=_NO_FIT_FIX,
+    )
+
+
+def _is_checked_kind(obj: Any) -> bool:
+    """Whether ``obj``'s saved state is checked against it before anything is loaded: torch
+    modules and optimizers (compared here), and a trainable-only model (whose own load checks
+    everything before it changes anything). Other objects are snapshotted instead."""
+    if isinstance(obj, TrainableOnly):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def _snapshot(obj: Any) -> Any:
+    """A copy of a small object's state to put back if a restore fails (``None`` if it
+    cannot be copied)."""
+    import copy
+
+    try:
+        return copy.deepcopy(obj.state_dict())
+    except Exception:
+        return None
+
+
+def _describe(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
+
+
+def _same_tensor_kind(saved: Any, live: Any) -> bool:
+    if not (hasattr(saved, "shape") and hasattr(saved, "dtype")):
+        return False
+    return tuple(saved.shape) == tuple(live.shape) and saved.dtype == live.dtype
+
+
+def _differences(name: str, obj: Any, tree: Any) -> list[str]:
+    """What differs between the saved state ``tree`` of ``name`` and the live ``obj``."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    if isinstance(obj, torch.nn.Module):
+        return _module_differences(name, obj.state_dict(), tree, torch)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _optimizer_differences(name, obj, tree, torch)
+    return []
+
+
+def _module_differences(name: str, live: Mapping[str, Any], saved: Any, torch: Any) -> list[str]:
+    if not isinstance(saved, Mapping):
+        return [f"{name}: the checkpoint holds a {type(saved).__name__}, not a state_dict"]
+    out = []
+    for key, value in saved.items():
+        if key not in live:
+            out.append(f"{name}.{key} {_describe(value)} is in the checkpoint, not in the model")
+        elif isinstance(live[key], torch.Tensor) and not _same_tensor_kind(value, live[key]):
+            out.append(
+                f"{name}.{key} is {_describe(value)} in the checkpoint, {_describe(live[key])} here"
+            )
+    out += [
+        f"{name}.{key} {_describe(value)} is in the model, not in the checkpoint"
+        for key, value in live.items()
+        if key not in saved
+    ]
+    return out
+
+
+def _optimizer_differences(name: str, obj: Any, saved: Any, torch: Any) -> list[str]:
+    live = obj.state_dict()
+    if (
+        not isinstance(saved, Mapping)
+        or not isinstance(saved.get("state"), Mapping)
+        or not isinstance(saved.get("param_groups"), list)
+        or not all(
+            isinstance(g, Mapping)
+            and isinstance(g.get("params"), list)
+            and all(isinstance(p, int) and not isinstance(p, bool) for p in g["params"])
+            for g in saved["param_groups"]
+        )
+    ):
+        return [f"{name}: the checkpoint does not hold an optimizer's state_dict"]
+    saved_groups, live_groups = saved["param_groups"], live["param_groups"]
+    if len(saved_groups) != len(live_groups):
+        return [
+            f"{name}: {len(saved_groups)} parameter group(s) in the checkpoint, "
+            f"{len(live_groups)} here"
+        ]
+    out = []
+    # torch pairs saved and live parameters by position within the groups.
+    parameters: dict[Any, tuple[Any, Any]] = {}
+    for index, (saved_group, live_group, params) in enumerate(
+        zip(saved_groups, live_groups, obj.param_groups, strict=True)
+    ):
+        if len(saved_group["params"]) != len(live_group["params"]):
+            out.append(
+                f"{name}: parameter group {index} has {len(saved_group['params'])} "
+                f"parameter(s) in the checkpoint, {len(live_group['params'])} here"
+            )
+            continue
+        for saved_id, live_id, parameter in zip(
+            saved_group["params"], live_group["params"], params["params"], strict=True
+        ):
+            parameters[saved_id] = (live_id, parameter)
+    if out:
+        return out
+    builtin = type(obj).__module__.startswith("torch.optim")
+    for saved_id, saved_state in saved["state"].items():
+        if saved_id not in parameters or not isinstance(saved_state, Mapping):
+            out.append(f"{name}: state for parameter {saved_id!r}, which no group holds")
+            continue
+        live_id, parameter = parameters[saved_id]
+        live_state = live["state"].get(live_id)
+        for key, value in saved_state.items():
+            if not isinstance(value, torch.Tensor):
+                if live_state is not None and isinstance(live_state.get(key), torch.Tensor):
+                    out.append(
+                        f"{name}.state[{saved_id}].{key} is a {type(value).__name__} in the "
+                        f"checkpoint, a tensor {_describe(live_state[key])} here"
+                    )
+                continue
+            if live_state is not None and isinstance(live_state.get(key), torch.Tensor):
+                expected = live_state[key]
+                if not _same_tensor_kind(value, expected):
+                    out.append(
+                        f"{name}.state[{saved_id}].{key} is {_describe(value)} in the "
+                        f"checkpoint, {_describe(expected)} here"
+                    )
+            elif builtin and key in _PARAMETER_SHAPED and value.shape != parameter.shape:
+                out.append(
+                    f"{name}.state[{saved_id}].{key} is {_describe(value)} in the checkpoint, "
+                    f"its parameter is {_describe(parameter)} here"
+                )
+        if live_state is not None and set(live_state) != set(saved_state):
+            out.append(
+                f"{name}.state[{saved_id}] holds {sorted(map(str, saved_state))} in the "
+                f"checkpoint, {sorted(map(str, live_state))} here"
+            )
+    return out

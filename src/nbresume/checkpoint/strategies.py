@@ -1,0 +1,338 @@
+"""How a Checkpointer saves, restores and agrees at a step boundary: one strategy per mode.
+
+The protocol every :class:`Strategy` implements, for the :class:`Checkpointer` that owns it:
+
+- ``save(step, epoch, metrics, background=...)``: capture the state and write one
+  checkpoint; return the verified :class:`CheckpointInfo` of a blocking save where this
+  process wrote it, else ``None``.
+- ``restore()``: load the newest checkpoint that verifies and fits into every object, all or
+  nothing; return the step to continue from (0 when the folder holds no checkpoint).
+- ``agree(flags)``: the step boundary's decision, combined over the job (a flag raised by any
+  process counts for all); ``leads``: whether this process takes the job's once-only actions
+  (the time-based cadence, the after-stop action).
+- ``raise_background_error()``: raise the failure of the last background save, on every
+  process of the job.
+- ``share_loader_seeds(loaders)``: give every process the first process's data seeds.
+
+Three implementations: :class:`OneProcess`, :class:`DataParallel` (``torch.distributed``,
+replicated state: rank 0 writes one checkpoint, see :mod:`nbresume.checkpoint.distributed`)
+and :class:`Sharded` (FSDP2 / DTensor state: every rank writes its own shards, see
+:mod:`nbresume.checkpoint.sharded`). :func:`choose` picks one, once per Checkpointer, at its
+first save or restore (every loop restores first): by then the process group is up and the
+model is sharded, which may both happen after the Checkpointer was made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from nbresume.checkpoint import distributed, restoring
+from nbresume.checkpoint.data import ResumableLoader
+from nbresume.checkpoint.restoring import DoesNotFit
+from nbresume.checkpoint.snapshot import RNG_GROUP, STATE_FILE, background_failure, raiser
+from nbresume.checkpoint.state import capture_rng
+from nbresume.checkpoint.store import CheckpointInfo, LoadedCheckpoint
+from nbresume.errors import CheckpointError, NoCheckpointError
+
+if TYPE_CHECKING:
+    from nbresume.checkpoint.checkpointer import Checkpointer
+
+
+class Strategy:
+    """What every mode shares; a mode's class adds its own ``save`` and ``restore``."""
+
+    def __init__(self, ck: Checkpointer, group: distributed.Group) -> None:
+        self.ck = ck
+        self.group = group
+        self.saver = ck._saver
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.group!r})"
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process takes the job's once-only actions (rank 0)."""
+        return self.group.rank == 0
+
+    def save(
+        self, step: int, epoch: int, metrics: dict[str, float], *, background: bool
+    ) -> CheckpointInfo | None:
+        raise NotImplementedError
+
+    def restore(self) -> int:
+        raise NotImplementedError
+
+    def agree(self, flags: Sequence[int]) -> list[int]:
+        """The element-wise maximum of every process's ``flags``."""
+        return self.group.agree(flags)
+
+    def raise_background_error(self) -> None:
+        """Raise the first process's background failure (if any) on every process."""
+        error = self.saver.background.take_error()
+        # A close() after destroy_process_group() has no job left to tell.
+        group = self.group if distributed.current() is not None else distributed.Solo()
+        problem = group.broadcast_error(background_failure(error))
+        if problem is not None:
+            raise problem from error
+
+    def share_loader_seeds(self, loaders: Sequence[ResumableLoader]) -> None:
+        """Give every process the first one's data seeds. A restored loader gets rank 0's
+        seed from the checkpoint anyway; sharing it from the start makes a resumed run draw
+        the same per-sample randomness as one that was never interrupted, even when each
+        process seeded torch differently."""
+        if not loaders:
+            return
+        seeds = self.group.broadcast_ints([loader.seed for loader in loaders])
+        for loader, seed in zip(loaders, seeds, strict=True):
+            loader.seed = seed
+
+    # -- shared steps ----------------------------------------------------------------------
+
+    def _done_restoring(self) -> int:
+        """The end of a restore: the Checkpointer counts as restored, the seeds are shared."""
+        self.ck._restored = True
+        self.share_loader_seeds(self.ck._wrapped_loaders())
+        return self.ck.step
+
+    def _checker(
+        self,
+        misfits: list[DoesNotFit],
+        *,
+        plans: list[restoring.RestorePlan] | None = None,
+        apply: bool = False,
+    ) -> Callable[[LoadedCheckpoint], None]:
+        """The check the store's reader runs on each candidate: plan it against the live
+        objects (and with ``apply``, put it into them, all or nothing). Checkpoints that do not
+        fit are collected in ``misfits``, plans in ``plans``."""
+
+        def check(loaded: LoadedCheckpoint) -> None:
+            try:
+                plan = self._plan(loaded)
+            except DoesNotFit as exc:
+                misfits.append(exc)
+                raise
+            if plans is not None:
+                plans.append(plan)
+            if apply:
+                self.ck._apply_plan(plan)
+
+        return check
+
+    def _plan(self, loaded: LoadedCheckpoint) -> restoring.RestorePlan:
+        return restoring.plan(
+            loaded, self.ck._objects, rank=self.group.rank, world_size=self.group.world_size
+        )
+
+    def _newest(
+        self, load: Callable[[], LoadedCheckpoint], misfits: list[DoesNotFit]
+    ) -> LoadedCheckpoint | None:
+        """``load()`` the newest checkpoint that verifies and fits; ``None`` when the folder
+        holds none at all."""
+        try:
+            return load()
+        except NoCheckpointError:
+            if self.ck._any_committed():
+                raise  # checkpoints exist but none verifies: starting over would hide that
+            return None
+        except DoesNotFit as exc:
+            raise restoring.no_fit(exc, misfits, self.ck.store.location) from None
+
+    def _after(self, earlier: BaseException | None, *, background: bool) -> None:
+        """A save begins after the last background one ended with ``earlier``: an async save
+        raises that failure (on every process), a blocking one tries again (a stop or the
+        final save must not be given up for an older failure)."""
+        if background:
+            problem = self.group.broadcast_error(background_failure(earlier))
+            if problem is not None:
+                raise problem from earlier
+        else:
+            self.saver.retry_after(earlier)
+
+    def _ranks_rng(self) -> list[Any] | None:
+        """Every rank's RNG states on rank 0, gathered before anything is written."""
+        return distributed.gather(
+            self.group, capture_rng(), name=RNG_GROUP, where=self.ck.store.location
+        )
+
+
+class OneProcess(Strategy):
+    """One process: capture, then write now or in the background."""
+
+    def save(
+        self, step: int, epoch: int, metrics: dict[str, float], *, background: bool
+    ) -> CheckpointInfo | None:
+        earlier = self.saver.background.drain()  # one save in flight at most
+        self._after(earlier, background=background)
+        snapshot = self.ck._capture(step, epoch, metrics, copy=background)
+        self.ck._mark_saved(step)
+        return self.saver.finish(snapshot, background=background)
+
+    def restore(self) -> int:
+        self.raise_background_error()
+        if self.ck._restored:
+            return self.ck.step
+        misfits: list[DoesNotFit] = []
+        check = self._checker(misfits, apply=True)
+        self._newest(lambda: self.ck.store.load(check=check), misfits)
+        self.ck._restored = True
+        return self.ck.step
+
+
+class DataParallel(Strategy):
+    """Replicated state under ``torch.distributed``: every rank sends its RNG states to rank 0,
+    which writes the one checkpoint. A blocking save ends with rank 0 telling every rank the
+    outcome; a background one is reported at a later step boundary or by ``wait()``. A
+    restore loads, on every rank, the step rank 0 picked."""
+
+    def save(
+        self, step: int, epoch: int, metrics: dict[str, float], *, background: bool
+    ) -> CheckpointInfo | None:
+        group = self.group
+        earlier = self.saver.background.drain() if self.leads else None
+        # An async save also makes this the point every rank reaches before the write.
+        self._after(earlier, background=background)
+        ranks = self._ranks_rng()
+        self.ck._mark_saved(step)
+        if not self.leads:
+            if not background:
+                problem = group.broadcast_error(None)
+                if problem is not None:
+                    raise problem
+            return None
+        try:
+            snapshot = self.ck._capture(step, epoch, metrics, copy=background, ranks=ranks)
+        except Exception as exc:
+            if not background:
+                group.broadcast_error(exc)
+                raise
+            # The other ranks went on training: fail like a write would, so that every rank
+            # learns of it at the next step boundary.
+            self.saver.background.start(raiser(exc))
+            return None
+        if background:
+            return self.saver.finish(snapshot, background=True)
+        try:
+            info = self.saver.write(snapshot)
+        except BaseException as exc:
+            group.broadcast_error(exc)
+            raise
+        group.broadcast_error(None)
+        return info
+
+    def restore(self) -> int:
+        """Rank 0 picks the checkpoint (the newest that verifies), every rank loads that step."""
+        if self.ck._restored:
+            return self.ck.step
+        group, store = self.group, self.ck.store
+        chosen: LoadedCheckpoint | None = None
+        error: BaseException | None = None
+        if self.leads:
+            misfits: list[DoesNotFit] = []
+            check = self._checker(misfits)
+            try:
+                chosen = self._newest(lambda: store.load(check=check), misfits)
+            except Exception as exc:  # shared below, so that no rank waits for rank 0 alone
+                error = exc
+        problem = group.broadcast_error(error)
+        if problem is not None:
+            raise problem
+        (step,) = group.broadcast_ints([-1 if chosen is None else chosen.step])
+        if step < 0:
+            self._done_restoring()
+            return 0
+        plan: restoring.RestorePlan | None = None
+        try:
+            if not self.leads:
+                chosen = store.load(step)
+            assert chosen is not None
+            plan = self._plan(chosen)
+        except Exception as exc:
+            error = exc
+        (failed,) = group.agree([error is not None])
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(
+                f"another process of the job could not load the checkpoint of step {step}",
+                where=store.location,
+                fix="every process must see the same checkpoint folder: on several machines, "
+                "put it on a shared file system or an object store; see the failing rank's log",
+            )
+        assert plan is not None
+        self.ck._apply_plan(plan)
+        return self._done_restoring()
+
+
+class Sharded(Strategy):
+    """Sharded state (FSDP2, DTensor): every rank writes and loads its own shards of the
+    sharded objects, rank 0 the rest of the state, in one checkpoint. Saves always block:
+    the write is a collective of all ranks, which must not run in a background thread."""
+
+    def save(
+        self, step: int, epoch: int, metrics: dict[str, float], *, background: bool
+    ) -> CheckpointInfo | None:
+        from nbresume.checkpoint.sharded import save_sharded
+
+        sharded = self.ck._sharded_objects()
+        self.saver.retry_after(self.saver.background.drain())
+        ranks = self._ranks_rng() if self.group.world_size > 1 else None
+        snapshot = None
+        error: BaseException | None = None
+        if self.leads:
+            try:
+                snapshot = self.ck._capture(
+                    step, epoch, metrics, copy=False, ranks=ranks, sharded=sharded
+                )
+            except Exception as exc:
+                error = exc
+        problem = self.group.broadcast_error(error)
+        if problem is not None:
+            raise problem
+        self.ck._mark_saved(step)
+        return self.saver.commit(
+            step,
+            lambda on_committed: save_sharded(
+                self.ck.store,
+                step,
+                {name: obj.state_dict() for name, obj in sharded.items()},
+                tensors=snapshot.tensors if snapshot else None,
+                data={STATE_FILE: snapshot.state} if snapshot else None,
+                metrics=metrics,
+                on_committed=on_committed,
+            ),
+            report=snapshot is not None,
+        )
+
+    def restore(self) -> int:
+        """Every rank loads its shards in place and the rest of the state (its own RNGs) from
+        the newest checkpoint that verifies; rank 0 picks it for all."""
+        from nbresume.checkpoint.sharded import load_sharded, loadable_state
+
+        if self.ck._restored:
+            return self.ck.step
+        sharded = self.ck._sharded_objects()
+        states = {name: loadable_state(obj) for name, obj in sharded.items()}
+        misfits: list[DoesNotFit] = []
+        plans: list[restoring.RestorePlan] = []
+        # The rest of the state is checked before any shard is loaded in place.
+        check = self._checker(misfits, plans=plans)
+        if self._newest(lambda: load_sharded(self.ck.store, states, check=check), misfits) is None:
+            self._done_restoring()
+            return 0
+        self.ck._apply_plan(plans[-1])
+        self.ck._restored = True
+        for name, state in states.items():
+            restoring.load_object(name, sharded[name], state)
+        return self._done_restoring()
+
+
+def choose(ck: Checkpointer) -> Strategy:
+    """The strategy for ``ck`` now: sharded objects make it :class:`Sharded`, a process group
+    of more than one process :class:`DataParallel`, else :class:`OneProcess`."""
+    group = distributed.current()
+    if ck._sharded_objects():
+        return Sharded(ck, group or distributed.Solo())
+    if group is not None:
+        return DataParallel(ck, group)
+    return OneProcess(ck, distributed.Solo())
