@@ -26,7 +26,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import IO, Any
 
 from nbresume.checkpoint import state as state_document
 from nbresume.checkpoint import tensorfile
@@ -48,7 +48,6 @@ from nbresume.checkpoint.hashing import (
     check_size,
     new_buffer,
     read_hashing,
-    read_header,
     read_unsized,
 )
 from nbresume.checkpoint.info import LoadedCheckpoint, VerifyResult
@@ -249,18 +248,11 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
                     if known is None:
                         buffer, size = read_unsized(handle, entry.size, digests)
                     else:
-                        # A safetensors header is read and checked against the size
-                        # first: a file that claims more bytes than its tensors account
-                        # for (a sparse file of gigabytes) is refused before the rest is
-                        # read, so memory is bounded by what is valid.
-                        head = b""
-                        if file_name.endswith(".safetensors"):
-                            head = read_header(handle, entry.size, where=where)
                         buffer = new_buffer(min(known, entry.size))
-                        buffer[: len(head)] = head
-                        if head:
-                            digests.update(buffer[: len(head)])
-                        size = len(head) + read_hashing(handle, buffer[len(head) :], digests)
+                        size = 0
+                        if file_name.endswith(".safetensors"):
+                            size = read_checked_head(handle, buffer, entry.size, digests, where)
+                        size += read_hashing(handle, buffer[size:], digests)
                         if size == entry.size and handle.read(1):
                             size += 1  # more bytes than the manifest says
             except FileNotFoundError:
@@ -279,6 +271,29 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
     finally:
         for *_, digests in pending:
             digests.cancel()
+
+
+def read_checked_head(
+    handle: IO[bytes], buffer: memoryview, total: int, digests: Digests, where: str
+) -> int:
+    """Read the first piece of a safetensors file into ``buffer`` (more if its header is
+    longer) and check the header against the file's ``total`` size; return the bytes read.
+
+    A file that claims more bytes than its tensors account for (a sparse file of gigabytes)
+    is refused here, before the rest is read: memory is bounded by what is valid (the
+    buffer's untouched pages cost nothing). The first read is a full piece, not the 8-byte
+    prefix alone: a cold file is then read in large sequential pieces from its start.
+    """
+    size = read_hashing(handle, buffer[:READ_CHUNK], digests)
+    if size < 8:
+        return size  # too short: the size check says so
+    end = 8 + tensorfile.header_length(buffer[:8], total, where=where)
+    if size < end:
+        size += read_hashing(handle, buffer[size:end], digests)
+        if size < end:
+            return size  # cut short: the size check says so
+    tensorfile.parse_header(bytes(buffer[:end]), where=where, total=total)
+    return size
 
 
 def has_manifest(store: Store, name: str) -> bool:
