@@ -24,13 +24,17 @@ from nbresume.checkpoint.store import (
 from nbresume.checkpoint.trainable import BaseMismatchError, TrainableOnly, trainable_only
 from nbresume.checkpoint.version import __version__
 from nbresume.errors import (
+    ArgumentError,
     CheckpointError,
     CorruptCheckpointError,
+    FolderInUseError,
+    LeaseLostError,
     NbresumeError,
     NoCheckpointError,
     PreflightError,
     StorageError,
     StorageFullError,
+    UsageError,
 )
 from nbresume.platforms import session_deadline as _session_deadline
 from nbresume.platforms.cgroup import cap_threads
@@ -59,6 +63,7 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 
 __all__ = [
+    "ArgumentError",
     "BaseMismatchError",
     "Check",
     "CheckpointError",
@@ -67,6 +72,8 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
     "Event",
+    "FolderInUseError",
+    "LeaseLostError",
     "LoadedCheckpoint",
     "NbresumeError",
     "NoCheckpointError",
@@ -77,6 +84,7 @@ __all__ = [
     "StorageError",
     "StorageFullError",
     "TrainableOnly",
+    "UsageError",
     "VerifyReport",
     "VerifyResult",
     "__version__",
