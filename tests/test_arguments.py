@@ -12,26 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tests.stateful import QUIET, Counter
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.errors import ArgumentError, NbresumeError, UsageError
-
-#: No cadence, no deadline and blocking saves, unless a test says otherwise.
-QUIET: dict[str, Any] = {"every": None, "deadline": None, "async_save": False}
-
-
-class Counter:
-    """The smallest stateful object."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.count = state["count"]
 
 
 def refused(call: str, fix: str) -> Any:

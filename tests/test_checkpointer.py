@@ -12,28 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from tests.stateful import QUIET, Counter
 from torch import nn
 from torch.utils.data import DataLoader
 
 import nbresume
 from nbresume import Checkpointer, Event
 from nbresume.errors import CheckpointError, NoCheckpointError, UsageError
-
-#: No cadence, no deadline and blocking saves, unless a test says otherwise.
-QUIET: dict[str, Any] = {"every": None, "deadline": None, "async_save": False}
-
-
-class Counter:
-    """The smallest stateful object: how many steps the loop body ran."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.count = state["count"]
 
 
 class Recorder:

@@ -25,7 +25,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     infos = store.list()
     # A folder whose manifest cannot be read (not a regular file, or not a manifest) is a
     # broken checkpoint: listed too, so that it is never mistaken for an absent one.
-    broken = store.broken()
+    broken = store.broken(infos)  # only the folders list() left out are read again
     if not infos and not broken:
         print(f"no committed checkpoints in {store.location}")
         return 0

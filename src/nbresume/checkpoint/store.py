@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from nbresume.checkpoint import reading
@@ -174,13 +174,15 @@ class CheckpointStore:
             infos.append(CheckpointInfo(step, name, self.backend.child(name), manifest))
         return infos
 
-    def broken(self) -> builtins.list[VerifyResult]:
+    def broken(self, listed: Iterable[CheckpointInfo] = ()) -> builtins.list[VerifyResult]:
         """Step folders that hold something named ``manifest.json`` that is not a valid
         manifest (one that is not a regular file, or does not parse), oldest first: broken
-        checkpoints, which :meth:`list` leaves out. Nothing is hashed."""
+        checkpoints, which :meth:`list` leaves out. Nothing is hashed. ``listed``: what
+        :meth:`list` returned just before, whose manifests are not read again."""
         found = []
+        skip = {info.name for info in listed}
         for step, name in reversed(self.checkpoint_folders()):
-            if not self.has_manifest(name):
+            if name in skip or not self.has_manifest(name):
                 continue
             try:
                 self.read_manifest(name, step)
