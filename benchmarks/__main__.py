@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks import kill, loop, report, resume, stall
+from benchmarks import bench_hf, bench_io, bench_lightning, kill, loop, report, resume, stall
 from benchmarks._common import ROOT, file_system, load_average, machine
 from benchmarks.tools import BY_NAME, TOOLS
 from benchmarks.zygote import Zygote, serve
@@ -35,6 +35,7 @@ MODES: dict[str, dict[str, Any]] = {
                  "segments": 2, "reps": 1},
         "kills": 1, "kill": {"mb": 1, "every": 3, "window": 0.2},
         "resume": {"mb": 3, "steps": 2, "more": 2},
+        "io": {"sizes": [3], "reps": 1},
     },
     # the mode whose output the documentation shows: under 10 minutes on 2 cores
     "quick": {
@@ -42,15 +43,19 @@ MODES: dict[str, dict[str, Any]] = {
         "loop": {**REFERENCE_LOOP, "every": 20, "segments": 3, "reps": 4},
         "kills": 8, "kill": {"mb": 10, "every": 5, "window": 1.0},
         "resume": {"mb": 200, "steps": 2, "more": 2},
+        "io": {"sizes": [50, 500], "reps": 3},
     },
     "full": {
         "sizes": [50, 500, 2000], "reps": 5,
         "loop": {**REFERENCE_LOOP, "every": 40, "segments": 4, "reps": 3},
         "kills": 30, "kill": {"mb": 10, "every": 5, "window": 1.5},
         "resume": {"mb": 500, "steps": 2, "more": 2},
+        "io": {"sizes": [50, 500, 2000], "reps": 3},
     },
 }  # fmt: skip
-SUITES = ("stall", "loop", "kill", "resume")
+SUITES = ("stall", "loop", "kill", "resume", "io")
+#: Run only when named in --suites (they need an extra installed).
+OPTIONAL_SUITES = ("hf", "lightning")
 WORK = {
     "stall": stall.child,
     "loop": loop.child,
@@ -128,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown tools {unknown}; known: {list(BY_NAME)}")
         tools = [BY_NAME[t] for t in wanted]
     suites = SUITES if not args.suites else tuple(s.strip() for s in args.suites.split(","))
-    if set(suites) - set(SUITES):
-        parser.error(f"unknown suites {sorted(set(suites) - set(SUITES))}; known: {SUITES}")
+    if set(suites) - set(SUITES + OPTIONAL_SUITES):
+        known = SUITES + OPTIONAL_SUITES
+        parser.error(f"unknown suites {sorted(set(suites) - set(known))}; known: {known}")
 
     started = time.monotonic()
     scratch = Path(tempfile.mkdtemp(prefix="nbresume-bench-", dir=args.dir))
@@ -180,6 +186,23 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "resume" in suites:
             results["resume"] = resume.run(zygote, tools, config["resume"], scratch, log)
+        if "hf" in suites:
+            log("hf: the Trainer's save with and without nbresume.hf.Callback")
+            hf_page, results["hf"] = bench_hf.run(256, 4, 8, scratch / "hf", command)
+        if "lightning" in suites:
+            log("lightning: CheckpointIO against TorchCheckpointIO and AsyncCheckpointIO")
+            mb = float(config["io"]["sizes"][0])
+            lightning_page, results["lightning"] = bench_lightning.run(
+                mb, config["io"]["reps"], scratch / "lightning", command
+            )
+        if "io" in suites:
+            log("io: hashes, save and restore against raw write and read")
+            io_page, results["io"] = bench_io.run(
+                [float(mb) for mb in config["io"]["sizes"]],
+                config["io"]["reps"],
+                scratch / "io",
+                command,
+            )
     finally:
         zygote.close()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -196,6 +219,15 @@ def main(argv: list[str] | None = None) -> int:
             ROOT / "docs" / "benchmarks.md",
         )
     md, js, plots = report.write(results, out, images)
+    if "hf" in results:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hf.md").write_text(hf_page)
+    if "lightning" in results:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "lightning.md").write_text(lightning_page)
+    if "io" in results:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "io.md").write_text(io_page)
     if page is not None:
         report.update_docs(results, page)
     print("\n".join(report.summary_table(results)))

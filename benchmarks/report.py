@@ -283,6 +283,7 @@ def plots(results: dict[str, Any], folder: Path) -> list[Path]:
                         label=f"{size['state_bytes'] / 1e6:.0f} MB")  # fmt: skip
             ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
             ax.set_xscale("log")
+            _readable_log_axis(ax.xaxis, "x")
             ax.set_title(title)
             ax.set_xlabel("x raw write+fsync of the same bytes (log)")
         axes[0].set_yticks([i + width * (len(sizes) - 1) / 2 for i in range(len(names))], names)
@@ -305,6 +306,8 @@ def plots(results: dict[str, Any], folder: Path) -> list[Path]:
         ax.axvline(200, color="grey", linewidth=0.8, linestyle=":")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        _readable_log_axis(ax.xaxis)
+        _readable_log_axis(ax.yaxis)
         ax.set_xlabel("save every N steps of the reference loop")
         ax.set_ylabel("training time added (%)")
         ax.legend(fontsize=8)
@@ -336,6 +339,16 @@ def plots(results: dict[str, Any], folder: Path) -> list[Path]:
         fig.tight_layout()
         written.append(_save(fig, folder / PLOTS[2]))
     return written
+
+
+def _readable_log_axis(axis: Any, suffix: str = "") -> None:
+    """Label a log axis at 1, 2 and 5 times each power of ten, as plain numbers, and leave the
+    other minor ticks unlabelled (matplotlib's default labels them too, and they overlap)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}{suffix}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _save(fig: Any, path: Path) -> Path:

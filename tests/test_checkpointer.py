@@ -78,7 +78,7 @@ def test_checkpoints_exist_but_none_verifies(tmp_path: Path) -> None:
     state.write_text(state.read_text().replace('"count": 0', '"count": 1'))
 
     fresh = Checkpointer(tmp_path / "run", counter=Counter(), **QUIET)
-    with pytest.raises(NoCheckpointError, match="sha256"):
+    with pytest.raises(NoCheckpointError, match="xxh3-128 mismatch"):
         fresh.restore()  # starting over would silently throw the run away
 
 

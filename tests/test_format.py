@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from nbresume import CheckpointStore, CorruptCheckpointError, NoCheckpointError
 from nbresume.checkpoint.format import (
@@ -74,14 +75,15 @@ def test_a_checkpoint_is_one_folder_with_its_files_and_a_manifest_of_them(ckpt_d
 
     document = json.loads((folder / "manifest.json").read_text())
     assert document["format"] == "nbresume-checkpoint"
-    assert document["format_version"] == 1
+    assert document["format_version"] == "1.1"
+    assert document["hash"] == "xxh3-128"
     assert document["step"] == 1500
     assert document["metrics"] == {"val_loss": pytest.approx(1 / 1501)}
     assert set(document["files"]) == on_disk - {"manifest.json"}
     for name, entry in document["files"].items():
         data = (folder / name).read_bytes()
         assert entry["size"] == len(data)
-        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert entry["xxh3-128"] == xxhash.xxh3_128(data).hexdigest()
         assert "md5" not in entry
 
 

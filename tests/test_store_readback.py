@@ -17,6 +17,7 @@ from typing import IO
 
 import pytest
 import torch
+import xxhash
 
 from nbresume import CheckpointStore, CorruptCheckpointError, NoCheckpointError
 from nbresume.checkpoint.format import MANIFEST_NAME, parse_step_dirname, step_dirname
@@ -39,7 +40,10 @@ def big_state(seed: int, mib: int = 27) -> dict[str, torch.Tensor]:
 
 class ReadBackStore(LocalStore):
     """A folder whose committed files read back other than written (a lying disk or mount):
-    ``damage`` changes the bytes of one payload file as they are read."""
+    ``damage`` changes the bytes of one payload file as they are read. Like a FUSE mount, it
+    is read back after each save."""
+
+    readback_after_save = True
 
     def __init__(self, root: Path, victim: str, damage: str) -> None:
         super().__init__(root)
@@ -70,7 +74,7 @@ def test_large_files_round_trip_and_verify(tmp_path: Path) -> None:
     folder = tmp_path / step_dirname(7)
     manifest = json.loads((folder / MANIFEST_NAME).read_bytes())
     model = (folder / "model.safetensors").read_bytes()
-    assert manifest["files"]["model.safetensors"]["sha256"] == hashlib.sha256(model).hexdigest()
+    assert manifest["files"]["model.safetensors"]["xxh3-128"] == xxhash.xxh3_128(model).hexdigest()
     assert manifest["files"]["model.safetensors"]["md5"] == hashlib.md5(model).hexdigest()
     assert info.size > 30 * MIB
 
@@ -125,12 +129,12 @@ def test_one_changed_byte_anywhere_in_a_large_file_is_caught_by_verify_and_load(
 
         report = store.verify()
         assert [r.ok for r in report.results] == [True, False], offset
-        assert "sha256 mismatch" in report.results[1].problem
+        assert "xxh3-128 mismatch" in report.results[1].problem
         with pytest.warns(RuntimeWarning, match="model.safetensors"):
             loaded = store.load()
         assert loaded.step == 1
         assert torch.equal(loaded.tensors["model"]["big"], big_state(1, mib=1)["big"])
         # A damaged header is refused before the tensor bytes are read (memory stays bounded
         # by what is valid); any other byte by its hash.
-        with pytest.raises(NoCheckpointError, match=r"sha256 mismatch|not a valid safetensors"):
+        with pytest.raises(NoCheckpointError, match=r"xxh3-128 mismatch|not a valid safetensors"):
             store.load(2)

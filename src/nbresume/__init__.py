@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbresume.checkpoint import events as _events
 from nbresume.checkpoint import hooks as _hooks
 from nbresume.checkpoint.checkpointer import Checkpointer
 from nbresume.checkpoint.data import ResumableLoader, sample_generator, sample_seed
@@ -38,6 +39,7 @@ from nbresume.errors import (
 )
 from nbresume.platforms import session_deadline as _session_deadline
 from nbresume.platforms.cgroup import cap_threads
+from nbresume.platforms.cgroup import read_cpu as _read_cpu
 from nbresume.preflight import Check, Report, preflight
 from nbresume.run import Run, current_run, init
 from nbresume.slurm import after_stop_save as _slurm_after_stop_save
@@ -45,6 +47,19 @@ from nbresume.slurm import after_stop_save as _slurm_after_stop_save
 # The checkpoint core imports nothing above it: the platform's facts are handed to it here.
 _hooks.provide_session_deadline(_session_deadline)
 _hooks.provide_after_stop_save(_slurm_after_stop_save)  # in a Slurm job: ask for a requeue
+_hooks.provide_usable_cpus(lambda: _read_cpu().usable)
+# A Checkpointer that nothing shows (a plain script without init) shows a status line on stderr.
+
+
+def _follow(checkpointer: object) -> None:
+    # Imported when a Checkpointer starts, not with nbresume: a script that never trains
+    # loads nothing of the display.
+    from nbresume.notebook.status_line import follow
+
+    follow(checkpointer)
+
+
+_events.provide_default_watcher(_follow)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -69,6 +69,8 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         metric, _, mode = args.best.partition(":")
         keep_best = (metric, mode or "min", args.best_count or args.keep)
     store = CheckpointStore(args.dir, keep=args.keep, keep_best=keep_best)
+    if keep_best is not None:
+        _check_metric(store, keep_best[0], args.dir)
     # Deleting beside a run that saves there would race with its own retention: prune holds
     # the folder's writer lease meanwhile, and a live writer's lease refuses it by name.
     from nbresume.checkpoint.lease import holding
@@ -78,6 +80,25 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     left = [i.step for i in store.list()]
     print(f"deleted {len(deleted)} checkpoint(s): {deleted or 'none'}; kept steps {left}")
     return 0
+
+
+def _check_metric(store: Any, metric: str, where: str) -> None:
+    """Refuse ``--best METRIC`` when no checkpoint recorded that metric: keeping "the best" by
+    it would silently keep nothing more than ``--keep``."""
+    infos = store.list()
+    if not infos or any(metric in info.metrics for info in infos):
+        return
+    known = sorted({name for info in infos for name in info.metrics})
+    recorded = (
+        f"the checkpoints recorded: {', '.join(known)}"
+        if known
+        else "no checkpoint recorded any metric (save(metric=...) records one)"
+    )
+    raise UsageError(
+        f"--best {metric}: no checkpoint recorded a metric named {metric!r}; {recorded}",
+        where=where,
+        fix="give a metric the checkpoints have, or leave --best out; nothing was deleted",
+    )
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -108,7 +129,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        return _usage(args, "no command to run: nbresume run [OPTIONS] -- CMD ...")
+        return _usage(
+            args,
+            "the command to run is missing: give it after --, as in "
+            "`nbresume run --dir runs/exp1 -- python train.py`",
+        )
     state, path = runner.prepare(
         command, log=args.log, ckpt_dir=args.dir, retries=args.retries, backoff=args.backoff
     )
@@ -237,6 +262,20 @@ def _usage(args: argparse.Namespace, message: str) -> int:
     return 2
 
 
+def _cmd_convert_lightning(args: argparse.Namespace) -> int:
+    try:
+        from nbresume.lightning.convert import convert
+    except ImportError as exc:
+        return _usage(args, f'{exc}; install Lightning: pip install "nbresume[lightning]"')
+    print(
+        f"nbresume convert-lightning: reading {args.ckpt} once with "
+        "torch.load(weights_only=True): tensors and plain values only, no code runs"
+    )
+    target = convert(args.ckpt, args.dir)
+    print(f"nbresume convert-lightning: wrote {target} (verified)")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from nbresume.demo import run_demo
 
@@ -272,6 +311,8 @@ def _cmd_commit(args: argparse.Namespace) -> int:
         poll_s=args.poll,
         timeout_s=args.timeout,
         output=args.output,
+        dry_run=args.dry_run,
+        wheel=args.wheel,
     )
 
 
@@ -349,12 +390,13 @@ def _add_kaggle_parsers(sub: Any) -> None:
         "then again on a fresh kernel, which must resume from the first run's checkpoint. A "
         "failure names the cell, its first line and the error. Exit status 1 on a failure.",
     )
-    p.add_argument("notebook", help="the .ipynb file")
+    p.add_argument("notebook", help="the .ipynb file, or a .py script")
     p.add_argument(
         "--platform",
         choices=("auto", "kaggle", "colab", "local"),
         default="auto",
-        help="the sandbox: a Kaggle machine, Colab (google.colab needed) or this machine "
+        help="the sandbox: a Kaggle machine, a Colab runtime (a fresh /content each run, one "
+        "Drive folder kept between runs) or this machine "
         "(default: colab when the notebook imports google.colab, kaggle when it mentions "
         "/kaggle/, else local)",
     )
@@ -379,9 +421,13 @@ def _add_kaggle_parsers(sub: Any) -> None:
         "push it with the kaggle client and check Kaggle's answer. Exit status 1 when "
         "anything refuses (Kaggle's errors included), with what to do.",
     )
-    p.add_argument("notebook", help="the .ipynb file")
+    p.add_argument("notebook", help="the .ipynb file, or a .py script kernel")
     p.add_argument(
-        "--kernel", required=True, type=_kaggle_ref, metavar="OWNER/SLUG", help="the notebook"
+        "--kernel",
+        type=_kaggle_ref,
+        metavar="OWNER/SLUG",
+        help="the notebook on Kaggle (default: your Kaggle user name, from KAGGLE_USERNAME or "
+        "kaggle.json, and a slug made from the file name)",
     )
     p.add_argument(
         "--accelerator",
@@ -409,6 +455,19 @@ def _add_kaggle_parsers(sub: Any) -> None:
         choices=RULES,
         metavar="RULE",
         help=f"make a lint rule's errors warnings (rules: {', '.join(RULES)})",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="scan, lint and smoke, then print the kernel-metadata.json that would be pushed; "
+        "write and push nothing (no Kaggle credentials needed)",
+    )
+    p.add_argument(
+        "--wheel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="upload the installed nbresume as the private dataset OWNER/nbresume-wheel and "
+        "attach it, for an install with internet off (default: with --no-internet)",
     )
     p.add_argument(
         "--chain", action="store_true", help="then follow the run leg after leg until done"
@@ -440,15 +499,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nbresume {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("ls", help="list the committed checkpoints of a folder")
+    p = sub.add_parser(
+        "ls",
+        help="list the committed checkpoints of a folder",
+        description="List the committed checkpoints of DIR: step, size, creation time and "
+        "metrics, newest last, and any broken checkpoint folder. Reads the manifests only; "
+        "`nbresume verify` re-hashes the files.",
+    )
     p.add_argument("dir", help="checkpoint folder: a path or an fsspec URL")
     p.set_defaults(func=_cmd_ls)
 
-    p = sub.add_parser("verify", help="read back every checkpoint and compare it with its manifest")
+    p = sub.add_parser(
+        "verify",
+        help="read back every checkpoint and compare it with its manifest",
+        description="Read back every file of every checkpoint in DIR and compare its size and "
+        "hash with the manifest. Exit status 1 when any checkpoint does not verify, or when "
+        "there is none.",
+    )
     p.add_argument("dir", help="checkpoint folder: a path or an fsspec URL")
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("prune", help="delete all but the newest (and best) verified checkpoints")
+    p = sub.add_parser(
+        "prune",
+        help="delete all but the newest (and best) verified checkpoints",
+        description="Keep the --keep newest checkpoints of DIR (and, with --best, the best "
+        "by a metric the checkpoints recorded with save(metric=...)); delete the others. "
+        "Holds the folder's writer lease meanwhile: a live training saving there refuses it.",
+    )
     p.add_argument("dir", help="checkpoint folder: a path or an fsspec URL")
     p.add_argument("--keep", type=_positive_int, required=True, help="how many newest to keep")
     p.add_argument("--best", metavar="METRIC[:min|max]", help="also keep the best by a metric")
@@ -550,12 +627,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_kaggle_parsers(sub)
 
-    p = sub.add_parser("demo", help="show the promise: save, kill -9, restore, verify")
+    p = sub.add_parser(
+        "demo",
+        help="show the promise: save, kill -9, restore, verify",
+        description="Train a small model twice with the same command: once uninterrupted, "
+        "once killed with SIGKILL at two random moments and started again. The killed run "
+        "resumes from its newest verified checkpoint and ends with weights bit-identical to "
+        "the uninterrupted one; every checkpoint left is then verified. Exit status 1 when "
+        "the weights differ.",
+    )
     p.add_argument(
         "--dir", default="nbresume-demo", help="folder for the demo (default ./nbresume-demo)"
     )
     p.add_argument("--seed", type=int, default=None, help="make the random kill reproducible")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "convert-lightning",
+        help="move a Lightning run over: a pickled .ckpt written as a verified checkpoint",
+        description="Read the Lightning checkpoint file CKPT once with "
+        "torch.load(weights_only=True) (tensors and plain values only: no code in it can "
+        "run) and write it as DIR/<its name>, a folder holding a verified nbresume "
+        "checkpoint that nbresume.lightning.CheckpointIO loads and "
+        "nbresume.lightning.last_checkpoint(DIR) finds. Needs Lightning "
+        '(pip install "nbresume[lightning]").',
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="the .ckpt file Lightning wrote")
+    p.add_argument("dir", metavar="DIR", help="the folder to write it into (ModelCheckpoint's)")
+    p.set_defaults(func=_cmd_convert_lightning)
     return parser
 
 

@@ -10,6 +10,7 @@ verified against its manifest.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import random
 import shutil
@@ -32,6 +33,7 @@ def _train(folder: str, total: int) -> None:
     import nbresume
 
     torch.manual_seed(0)
+    random.seed(0)  # its state is saved too: seeded, every checkpoint has the same bytes each time
     torch.set_num_threads(1)
     features = torch.randn(512, 32)
     labels = (features[:, :4].sum(dim=1) > 0).long()
@@ -40,8 +42,17 @@ def _train(folder: str, total: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
 
+    # The demo tells the story itself: no status line, and the takeover of the writer lease
+    # of the process it just killed is expected here, not worth a warning.
+    logging.getLogger("nbresume").setLevel(logging.ERROR)
     ckpt = nbresume.Checkpointer(
-        folder, every=10, keep=3, model=model, optimizer=optimizer, scheduler=scheduler
+        folder,
+        every=10,
+        keep=3,
+        quiet=True,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
     )
     start = ckpt.restore()
     print(f"start {start}", flush=True)

@@ -98,6 +98,13 @@ SMOKE_STEPS = Knob(
     "deadline (set by `nbresume smoke`)",
 )
 
+HASH = Knob(
+    "NBRESUME_HASH",
+    "",
+    "the hash of new checkpoints: xxh3-128 (format v1.1) or sha256 (format v1); default: "
+    "xxh3-128 where the xxhash package is installed",
+)
+
 #: Every knob, by variable name.
 KNOBS: dict[str, Knob] = {
     k.name: k
@@ -119,6 +126,7 @@ KNOBS: dict[str, Knob] = {
         SESSION_CAP,
         SLURM_REQUEUE,
         SMOKE_STEPS,
+        HASH,
     )
 }
 

@@ -40,12 +40,14 @@ from nbresume.platforms.gpu import (
     arch_supported,
     device_nodes,
     driver_cuda_major,
+    gpu_verdicts,
     oldest_driver,
     torch_info,
     tpu_seen,
     visible,
 )
 from nbresume.platforms.network import InternetProbe, ProbeResult
+from nbresume.platforms.nvidia_smi import GpuQueryRun
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -338,6 +340,21 @@ def check_cuda_build(gpus: list[Gpu], torch: TorchInfo) -> Check:
 # -- internet ------------------------------------------------------------------------------
 
 
+def check_gpu_state(query: GpuQueryRun | None, all_gpus: list[Gpu], gpus: list[Gpu]) -> list[Check]:
+    """On a GPU machine: free memory and who holds it, the GPU's health, and whether a resume
+    continues bit-exactly (see :mod:`nbresume.platforms.nvidia_smi`)."""
+    from nbresume.checkpoint.determinism import describe
+
+    if not all_gpus or query is None:
+        return []
+    checks = [
+        Check(name, verdict.status, verdict.seen, verdict.fix)
+        for name, verdict in gpu_verdicts(query.result(), gpus)
+    ]
+    status, seen, fix = describe(gpu=True)
+    return [*checks, Check("determinism", status, seen, fix)]
+
+
 def check_internet(expect: bool | None, result: ProbeResult, platform: Platform) -> Check:
     """Whether internet access is what the training expects."""
     online = bool(result.online)
@@ -600,6 +617,8 @@ def preflight(
     host, port = knobs.probe_target()
     probe = InternetProbe(host, port, knobs.probe_timeout())
     smi = NvidiaSmi()
+    # Memory, clocks, throttling and errors: a longer query, started now, read only on a GPU.
+    gpu_query = GpuQueryRun() if smi.binary is not None else None
 
     location = str(dir) if dir is not None else str(here.durable_base())
     durable = check_durable(location, here, expected_bytes, keep)
@@ -618,6 +637,7 @@ def preflight(
             expect, gpus=gpus, smi_status=smi_status, torch=torch, tpu=tpu, platform=here
         ),
         check_cuda_build(gpus, torch),
+        *check_gpu_state(gpu_query, all_gpus, gpus),
         check_internet(internet, probe.result(), here),
         durable,
         memory,

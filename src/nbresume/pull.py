@@ -53,7 +53,7 @@ from nbresume.checkpoint.hashing import Digests, check_hashes, read_header
 from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, open_store
 from nbresume.checkpoint.store import CheckpointStore, VerifyResult
 from nbresume.checkpoint.units import format_bytes
-from nbresume.errors import CorruptCheckpointError, StorageError, UsageError
+from nbresume.errors import CorruptCheckpointError, NbresumeError, StorageError, UsageError
 
 #: Suffix of a file being copied (hidden: it starts with a dot).
 PART_SUFFIX = ".nbresume-part"
@@ -402,7 +402,7 @@ class Puller:
     def _pull_file(self, folder: str, name: str, entry: FileEntry, local: Path) -> tuple[str, str]:
         final = local / name
         if final.is_file():
-            digests = Digests(md5=entry.md5 is not None, threaded=False)
+            digests = Digests(md5=entry.md5 is not None, threaded=False, algorithm=entry.algorithm)
             if not _matches(entry, _hash_local(final, digests), digests):
                 return "here", ""
         part = local / f".{name}{PART_SUFFIX}"
@@ -440,7 +440,7 @@ class Puller:
 
     def _copy(self, folder: str, name: str, entry: FileEntry, part: Path, offset: int) -> str:
         """Append the source file to ``part`` from ``offset``; return the mismatch, if any."""
-        digests = Digests(md5=entry.md5 is not None, threaded=False)
+        digests = Digests(md5=entry.md5 is not None, threaded=False, algorithm=entry.algorithm)
         size = _hash_local(part, digests) if offset else 0
         where = self.source.child(folder, name)
         with open(part, "ab") as out:
@@ -557,6 +557,7 @@ def _pull_all(source: Store, target: Path, rate: float | None, out: Callable[[st
             "stopped. The remote copy is NOT safe to tear down yet."
         )
         return 130
+    _pull_log(source, target, out)
     checked = [r for r in results.values() if r.how != "gone"]
     good = [r for r in checked if r.ok]
     gone = len(results) - len(checked)
@@ -580,6 +581,21 @@ def _pull_all(source: Store, target: Path, rate: float | None, out: Callable[[st
     size = format_bytes(sum(r.size for r in good))
     out(f"OK {len(good)}/{len(checked)} verified in {target} ({size}){extra}: {SAFE_LINE}")
     return 0
+
+
+def _pull_log(source: Store, target: Path, out: Callable[[str], None]) -> None:
+    """The training log ``nbresume run`` keeps next to the checkpoints, when there is one."""
+    from nbresume.runner import DEFAULT_LOG_NAME
+
+    try:
+        with source.open_read("", DEFAULT_LOG_NAME) as handle:
+            data = handle.read()
+    except (NbresumeError, OSError, ValueError):
+        return  # no log there (or none readable): the checkpoints are what counts
+    aside = target / f".{DEFAULT_LOG_NAME}.part"
+    aside.write_bytes(data)
+    os.replace(aside, target / DEFAULT_LOG_NAME)
+    out(f"  log   {DEFAULT_LOG_NAME}  {format_bytes(len(data)):>9}  copied (not verified)")
 
 
 def _describe(result: _Result) -> str:

@@ -64,6 +64,15 @@ class Run:
         ckpt.cadence.mtbf_s = self.platform.mtbf_s
         return ckpt
 
+    def hf_callback(self, **kwargs: Any) -> Any:
+        """A :class:`nbresume.hf.Callback` for a Hugging Face Trainer, stopping before the
+        platform's session cap (``deadline="auto"``); give the Trainer
+        ``output_dir=run.dir``. Any keyword overrides the defaults."""
+        from nbresume.hf import Callback
+
+        kwargs.setdefault("deadline", "auto")
+        return Callback(**kwargs)
+
     def summary(self) -> str:
         """A few lines: the platform, the folder, and each check that is not ok."""
         lines = self.report.summary_lines()
@@ -94,6 +103,7 @@ def init(
     expected_bytes: int | None = None,
     strict: bool | None = None,
     quiet: bool = False,
+    deterministic: bool = False,
 ) -> Run:
     """Detect the platform, check the machine, and prepare the run's durable folder.
 
@@ -108,8 +118,15 @@ def init(
             ``None``: in a Kaggle batch run (or as NBRESUME_STRICT says); elsewhere a failed
             check is a RuntimeWarning and the run carries on.
         quiet: print nothing (the report is still in ``run.report``).
+        deterministic: make PyTorch's CUDA kernels repeatable, so that a resumed run
+            continues bit for bit on a GPU too (slower; see
+            :func:`nbresume.checkpoint.determinism.enable`). Call ``init`` before any CUDA
+            work for it to cover cuBLAS.
     """
     check_run_name(name)
+    from nbresume.checkpoint.determinism import apply
+
+    apply(deterministic, "nbresume.init")  # before the preflight, which reports it
     here = detect()
     target = str(dir) if dir is not None else here.default_root(name)
     strict_now = resolve_strict(strict, here)
@@ -140,7 +157,11 @@ def init(
     _Latest.run = run
     if not quiet:
         print(run.summary())
-        from nbresume.notebook import show
+        from nbresume.notebook import in_notebook, show
 
+        if in_notebook():  # the setup panel first: Drive, the Kaggle inputs, the clocks
+            from nbresume.notebook import setup_panel
+
+            setup_panel.show(run=run)
         show(run)  # the panel in a notebook, a status line elsewhere (light when neither)
     return run

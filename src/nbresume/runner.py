@@ -139,6 +139,20 @@ def state_path(log: Path) -> Path:
     return log.with_name(log.name + STATE_SUFFIX)
 
 
+def copy_log(log: Path, location: str) -> str:
+    """Copy ``log`` into the checkpoint folder ``location`` (a path or a URL) as
+    :data:`DEFAULT_LOG_NAME`, replacing an older copy; return ``""`` or what went wrong."""
+    if "://" not in location and Path(location).expanduser().absolute() / DEFAULT_LOG_NAME == log:
+        return ""  # written there already
+    from nbresume.checkpoint.backends.registry import open_store
+
+    try:
+        open_store(location).replace_small(DEFAULT_LOG_NAME, log.read_bytes())
+    except (NbresumeError, OSError, ValueError) as exc:
+        return f"the log could not be copied to {location}: {exc}"
+    return ""
+
+
 def default_log(ckpt_dir: str | None) -> Path:
     """``<checkpoint folder>/nbresume-run.log`` for a local folder, else ``./nbresume-run.log``."""
     if ckpt_dir and "://" not in ckpt_dir:
@@ -406,6 +420,7 @@ class Supervisor:
             self.state.status = "waiting"
             self.state.exit_code = outcome.code
             self.save()
+            self._copy_log()
             self.wake.wait(delay)
             if self.stopping:
                 name = signal.Signals(self.forwarded or signal.SIGTERM).name
@@ -437,7 +452,16 @@ class Supervisor:
         self.state.exit_signal = signal.Signals(outcome.signal).name if outcome.signal else None
         self.state.reason = outcome.reason
         self.save()
+        self._copy_log()
         return outcome.code
+
+    def _copy_log(self) -> None:
+        """The log, copied next to the checkpoints when it is written elsewhere: a machine
+        that is torn down takes its disk, and the log, with it. Done when an attempt ends."""
+        if self.state.dir:
+            problem = copy_log(self.log_path, self.state.dir)
+            if problem:
+                self.say(problem)
 
     def _newest_checkpoint(self) -> str:
         if not self.state.dir:

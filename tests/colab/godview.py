@@ -1,9 +1,9 @@
 """What Google's side of the simulated Drive holds, seen directly (not through nbresume).
 
 A checkpoint has *landed* when its folder on the cloud holds a manifest that parses and every
-file the manifest names, with the manifest's size and SHA-256: exactly what a fresh VM would
-download and verify. Written from the format's specification with plain ``json`` and
-``hashlib``, so that it cannot agree with nbresume merely by sharing its code.
+file the manifest names, with the manifest's size and hash: exactly what a fresh VM would
+download and verify. Written from the format's specification with plain ``json``, ``hashlib`` and
+``xxhash``, so that it cannot agree with nbresume merely by sharing its code.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 
+import xxhash
 from colab_standin.cloud import Cloud
 
 
@@ -40,6 +41,11 @@ def _complete(cloud: Cloud, folder_id: str) -> bool:
         item = files.get(name)
         if item is None or item.size != entry["size"]:
             return False
-        if hashlib.sha256(cloud.read(item)).hexdigest() != entry["sha256"]:
+        data = cloud.read(item)
+        if "sha256" in entry:
+            digest, recorded = hashlib.sha256(data).hexdigest(), entry["sha256"]
+        else:
+            digest, recorded = xxhash.xxh3_128(data).hexdigest(), entry.get("xxh3-128")
+        if digest != recorded:
             return False
     return True

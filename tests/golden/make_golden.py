@@ -1,13 +1,16 @@
-"""Write the golden checkpoint of format v1 into tests/golden/v1/.
+"""Write the golden checkpoint of a format version into tests/golden/<version>/.
 
 Run once per format version, from the repository root::
 
-    .venv/bin/python tests/golden/make_golden.py
+    .venv/bin/python tests/golden/make_golden.py        # v1: SHA-256
+    .venv/bin/python tests/golden/make_golden.py v1.1   # v1.1: XXH3-128, named in the manifest
 
 The files are committed and never regenerated for an existing version: tests/test_golden.py
-loads them with the current code, so that every checkpoint ever written in format v1 keeps
-loading. The values follow a fixed recipe (test_golden.py recomputes it on its own), and the
-manifest's "created" is fixed, so the output is the same byte for byte on every run.
+and tests/test_hash_format.py load them with the current code, so that every checkpoint ever
+written in these formats keeps loading. Both versions hold the same values (v1.1's tensor
+files are byte for byte v1's; its manifest names XXH3-128). The values follow a fixed recipe
+(test_golden.py recomputes it on its own), and the manifest's "created" is fixed, so the
+output is the same byte for byte on every run.
 """
 
 from __future__ import annotations
@@ -65,9 +68,13 @@ def data() -> dict[str, Any]:
 METRICS = {"val_loss": 0.375}
 
 
-def main(out: Path) -> None:
+#: The hash each golden version is written with.
+HASHES = {"v1": "sha256", "v1.1": "xxh3-128"}
+
+
+def main(out: Path, algorithm: str = "sha256") -> None:
     with tempfile.TemporaryDirectory() as scratch:
-        store = CheckpointStore(scratch, keep=None, check_space=False)
+        store = CheckpointStore(scratch, keep=None, check_space=False, hash=algorithm)
         store.save(STEP, tensors=tensors(), data=data(), metrics=METRICS)
         folder = Path(scratch) / step_dirname(STEP)
         manifest_path = folder / MANIFEST_NAME
@@ -82,4 +89,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "v1")
+    version = sys.argv[1] if len(sys.argv) > 1 else "v1"
+    main(Path(__file__).parent / version, HASHES[version])

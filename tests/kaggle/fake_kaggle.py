@@ -53,6 +53,9 @@ from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 KERNELS_SERVICE = "kernels.KernelsApiService"
+DATASETS_SERVICE = "datasets.DatasetApiService"
+BLOBS_SERVICE = "blobs.BlobApiService"
+SERVICES = (KERNELS_SERVICE, DATASETS_SERVICE, BLOBS_SERVICE)
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
 
@@ -96,6 +99,17 @@ class Version:
 
 
 @dataclass
+class Dataset:
+    """A dataset: each version is its files, by name."""
+
+    owner: str
+    slug: str
+    title: str
+    private: bool
+    versions: list[dict[str, bytes]] = field(default_factory=list)
+
+
+@dataclass
 class Kernel:
     owner: str
     slug: str
@@ -131,6 +145,11 @@ class FakeKaggle:
         #: Entries added to every output listing (a damaged or hostile output).
         self.extra_listing: list[dict[str, str]] = []
         self.sitecustomize_dir: Path | None = None
+        #: False: the machines' Python has no nbresume (a notebook must install it).
+        self.image_has_nbresume = True
+        self.datasets: dict[tuple[str, str], Dataset] = {}
+        #: Uploads started (StartBlobUpload): token -> (file name, bytes once PUT).
+        self.blobs: dict[str, tuple[str, bytes | None]] = {}
         self._lock = threading.Lock()
         self._refusing = socket.socket()  # a bound port that is not listening: refuses
         self._refusing.bind(("127.0.0.1", 0))
@@ -187,12 +206,12 @@ class FakeKaggle:
             for version in kernel.versions:
                 version.finished.wait(max(0.0, deadline - time.monotonic()))
 
-    def api_calls(self) -> list[str]:
-        """The kernels API methods called, in order."""
+    def api_calls(self, service: str = KERNELS_SERVICE) -> list[str]:
+        """The methods of ``service`` (the kernels API by default) called, in order."""
         return [
             r.path.rsplit("/", 1)[-1]
             for r in self.requests
-            if r.method == "POST" and KERNELS_SERVICE in r.path
+            if r.method == "POST" and service in r.path
         ]
 
     # -- the calls -------------------------------------------------------------------------
@@ -209,8 +228,10 @@ class FakeKaggle:
         owner, _, slug = str(body.get("slug", "")).partition("/")
         if owner != self.username:
             return 200, {"error": "Notebook not found"}
-        if body.get("kernelType") != "notebook" or body.get("language") != "python":
-            return 200, {"error": "Only python notebooks are run by this fake"}
+        if body.get("kernelType") not in ("notebook", "script") or body.get("language") != (
+            "python"
+        ):
+            return 200, {"error": "Only python notebooks and scripts are run by this fake"}
         gpu = bool(body.get("enableGpu"))
         if gpu and self.gpu_quota_used_up:
             return 200, {
@@ -238,6 +259,14 @@ class FakeKaggle:
                 invalid.append(source)
             else:
                 attach.append((source, done))
+        datasets: list[tuple[str, Dataset]] = []
+        invalid_datasets = []
+        for source in body.get("datasetDataSources") or []:
+            found_set = self.datasets.get(tuple(str(source).partition("/")[::2]))  # type: ignore[arg-type]
+            if found_set is None or not found_set.versions:
+                invalid_datasets.append(source)
+            else:
+                datasets.append((source, found_set))
         kernel = self.kernels.get((owner, slug))
         if kernel is None:
             kernel = Kernel(owner, slug, str(body.get("newTitle") or slug))
@@ -247,7 +276,7 @@ class FakeKaggle:
         machine = self.root / "machines" / f"{owner}-{slug}-v{number}"
         version = Version(number, str(body.get("text", "")), dict(body), machine, limit)
         kernel.versions.append(version)
-        self._prepare_machine(version, attach)
+        self._prepare_machine(version, attach, datasets)
         if self.execute:
             threading.Thread(target=self._run, args=(version,), daemon=True).start()
         else:
@@ -257,6 +286,7 @@ class FakeKaggle:
             "url": f"http://localhost/code/{owner}/{slug}?version={number}",
             "versionNumber": number,
             "invalidKernelSources": invalid,
+            "invalidDatasetSources": invalid_datasets,
         }
 
     def _find(self, body: dict[str, Any]) -> Kernel | None:
@@ -327,12 +357,77 @@ class FakeKaggle:
             "modelDataSources": s.get("modelDataSources") or [],
             "currentVersionNumber": version.number,
         }
-        blob = {"source": version.text, "language": "python", "kernelType": "notebook"}
+        metadata["kernelType"] = s.get("kernelType", "notebook")
+        blob = {"source": version.text, "language": "python", "kernelType": metadata["kernelType"]}
         return 200, {"metadata": metadata, "blob": blob}
+
+    # -- datasets and uploads (what `kaggle datasets create/version` calls) ------------------
+
+    def _call_GetDatasetStatus(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        key = (str(body.get("ownerSlug")), str(body.get("datasetSlug")))
+        if key not in self.datasets:
+            return 404, {"code": 404, "message": "Dataset not found"}
+        return 200, {"status": "ready"}
+
+    def _call_StartBlobUpload(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        token = secrets.token_hex(8)
+        self.blobs[token] = (str(body.get("name", "")), None)
+        return 200, {"token": token, "createUrl": f"{self.url}/upload/{token}"}
+
+    def _files(self, files: list[dict[str, Any]]) -> dict[str, bytes] | None:
+        stored = {}
+        for item in files:
+            name, data = self.blobs.get(str(item.get("token")), ("", None))
+            if data is None:
+                return None
+            stored[name] = data
+        return stored
+
+    def _call_CreateDataset(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        owner, slug = str(body.get("ownerSlug")), str(body.get("slug"))
+        if owner != self.username:
+            return 200, {"status": "error", "error": "You cannot create a dataset for another user"}
+        if (owner, slug) in self.datasets:
+            return 200, {"status": "error", "error": "The dataset already exists"}
+        files = self._files(list(body.get("files") or []))
+        if not files:
+            return 200, {"status": "error", "error": "No files were uploaded"}
+        dataset = Dataset(owner, slug, str(body.get("title")), bool(body.get("isPrivate")))
+        dataset.versions.append(files)
+        self.datasets[(owner, slug)] = dataset
+        return 200, {"status": "ok", "ref": f"{owner}/{slug}", "url": self._dataset_url(dataset)}
+
+    def _call_CreateDatasetVersion(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        dataset = self.datasets.get((str(body.get("ownerSlug")), str(body.get("datasetSlug"))))
+        if dataset is None:
+            return 404, {"code": 404, "message": "Dataset not found"}
+        files = self._files(list((body.get("body") or {}).get("files") or []))
+        if not files:
+            return 200, {"status": "error", "error": "No files were uploaded"}
+        dataset.versions.append(files)
+        return 200, {
+            "status": "ok",
+            "ref": f"{dataset.owner}/{dataset.slug}",
+            "url": self._dataset_url(dataset),
+        }
+
+    def _dataset_url(self, dataset: Dataset) -> str:
+        return f"http://localhost/datasets/{dataset.owner}/{dataset.slug}"
+
+    def upload(self, token: str, data: bytes) -> bool:
+        if token not in self.blobs:
+            return False
+        self.blobs[token] = (self.blobs[token][0], data)
+        return True
 
     # -- the machines ----------------------------------------------------------------------
 
-    def _prepare_machine(self, version: Version, attach: list[tuple[str, Version]]) -> None:
+    def _prepare_machine(
+        self,
+        version: Version,
+        attach: list[tuple[str, Version]],
+        datasets: list[tuple[str, Dataset]],
+    ) -> None:
         kaggle = version.machine / "kaggle"
         for sub in ("working", "input", "temp"):
             (kaggle / sub).mkdir(parents=True, exist_ok=True)
@@ -341,8 +436,20 @@ class FakeKaggle:
             target = kaggle / "input" / "notebooks" / owner / slug
             shutil.copytree(done.working, target)
             _read_only(target)
+        for _, dataset in datasets:
+            # A dataset's latest version, at /kaggle/input/<slug>/.
+            target = kaggle / "input" / dataset.slug
+            target.mkdir(parents=True)
+            for name, data in dataset.versions[-1].items():
+                (target / name).write_bytes(data)
+            _read_only(target)
         (version.machine / "home").mkdir(exist_ok=True)
-        (version.machine / "__notebook_source__.ipynb").write_text(version.text)
+        source_name = "__script__.py" if self._is_script(version) else "__notebook_source__.ipynb"
+        (version.machine / source_name).write_text(version.text)
+
+    @staticmethod
+    def _is_script(version: Version) -> bool:
+        return version.settings.get("kernelType") == "script"
 
     def _environment(self, version: Version) -> dict[str, str]:
         internet = bool(version.settings.get("enableInternet", True))
@@ -364,11 +471,23 @@ class FakeKaggle:
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
         }
+        paths = [str(self.sitecustomize_dir)] if self.sitecustomize_dir is not None else []
         if self.sitecustomize_dir is not None:
-            env["PYTHONPATH"] = str(self.sitecustomize_dir)
             for name in ("NBRESUME_TEST_NET_LOG",):
                 if name in os.environ:
                     env[name] = os.environ[name]
+        if not self.image_has_nbresume:
+            # The image has no nbresume (netguard's sitecustomize hides the development copy);
+            # pip installs into this machine's own folder, never into the tests' environment.
+            site = version.machine / "site-packages"
+            site.mkdir(exist_ok=True)
+            env["NBRESUME_TEST_HIDE_NBRESUME"] = "1"
+            env["PIP_TARGET"] = str(site)
+            env["PIP_NO_CACHE_DIR"] = "1"
+            env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+            paths.append(str(site))
+        if paths:
+            env["PYTHONPATH"] = os.pathsep.join(paths)
         env.update(self.run_env)
         return env
 
@@ -383,6 +502,14 @@ class FakeKaggle:
             "papermill.execute_notebook(sys.argv[1], sys.argv[2], cwd=sys.argv[3], "
             "progress_bar=False)\n"
         )
+        if self._is_script(version):
+            # A script kernel: `python script.py` in /kaggle/working.
+            script = (
+                "import os, runpy, sys, time\n"
+                "os.environ['NBRESUME_SESSION_START'] = str(time.time())\n"
+                "sys.argv = sys.argv[1:2]\n"
+                "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            )
         with open(log_path, "wb") as log:
             version.status = "RUNNING"
             version.process = subprocess.Popen(
@@ -390,7 +517,14 @@ class FakeKaggle:
                     sys.executable,
                     "-c",
                     script,
-                    str(version.machine / "__notebook_source__.ipynb"),
+                    str(
+                        version.machine
+                        / (
+                            "__script__.py"
+                            if self._is_script(version)
+                            else "__notebook_source__.ipynb"
+                        )
+                    ),
                     str(version.machine / "__notebook__.ipynb"),
                     str(working),
                 ],
@@ -482,11 +616,23 @@ def _handler_for(server: FakeKaggle) -> type[BaseHTTPRequestHandler]:
                 self._send(401, {"code": 401, "message": "Unauthenticated"})
                 return
             prefix, _, method = record.path.rpartition("/")
-            if not prefix.endswith(f"/v1/{KERNELS_SERVICE}") or not isinstance(body, dict):
+            known = any(prefix.endswith(f"/v1/{service}") for service in SERVICES)
+            if not known or not isinstance(body, dict):
                 self._send(404, {"code": 404, "message": f"unknown call {record.path}"})
                 return
             code, answer = server.call(method, body)
             self._send(code, answer)
+
+        def do_PUT(self) -> None:
+            # An upload to a StartBlobUpload URL: /upload/<token>.
+            length = int(self.headers.get("Content-Length") or 0)
+            data = self.rfile.read(length) if length else b""
+            record = self._record()
+            token = record.path.rpartition("/upload/")[2]
+            if not record.path.startswith("/upload/") or not server.upload(token, data):
+                self._send(404, {"code": 404, "message": "no such upload"})
+                return
+            self._send(200, {})
 
         def do_GET(self) -> None:
             record = self._record()

@@ -37,6 +37,7 @@ def test_commit_smokes_pushes_runs_and_pull_verifies_every_checkpoint(
         notebook,
         "counter-run",
         "--no-internet",
+        "--no-wheel",  # the machines have nbresume (tests/kaggle/test_offline.py: the wheel)
         "--chain",
         "--poll",
         "0.2",
@@ -180,6 +181,7 @@ def test_kaggle_refusals_end_commit_with_an_error_that_says_what_to_do(
             "--kernel",
             f"{owner}/refused-run",
             "--no-smoke",
+            "--no-wheel",
             "--accelerator",
             "t4x2",
         ],
@@ -249,3 +251,68 @@ def test_a_call_meant_for_the_real_kaggle_never_leaves_the_machine(
     assert direct.returncode != 0
     assert "name lookup of 'api.kaggle.com'" in net_log.read_text()
     net_log.write_text("")
+
+
+QUICKSTARTS = sorted(
+    (Path(__file__).parents[2] / "notebooks").glob("*_quickstart.ipynb"), key=lambda p: p.name
+)
+
+
+def parameter(notebook: Path, name: str) -> object:
+    """The value the notebook's papermill parameters cell gives ``name`` (``None``: none)."""
+    import ast
+
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if "parameters" in cell.get("metadata", {}).get("tags", []):
+            for node in ast.parse("".join(cell["source"])).body:
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name:
+                    return ast.literal_eval(node.value)
+    return None
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_kaggle_quickstart_smokes_and_asks_for_its_gpu_without_credentials(
+    tmp_path: Path, net_log: Path
+) -> None:
+    [source] = [p for p in QUICKSTARTS if p.name == "kaggle_quickstart.ipynb"]
+    assert parameter(source, "accelerator") == "gpu"
+    folder = tmp_path / "user"
+    folder.mkdir()
+    notebook = folder / source.name
+    notebook.write_bytes(source.read_bytes())
+    env = user_env(tmp_path, None)
+    env["KAGGLE_CONFIG_DIR"] = str(tmp_path / "no-credentials")
+    result = nbresume(["commit", "--dry-run", notebook.name], cwd=folder, env=env, timeout=600)
+    assert result.code == 0, result.text
+    assert "smoke: OK" in result.out
+    assert '"enable_gpu": true' in result.out
+    assert '"machine_shape": "NvidiaTeslaT4"' in result.out
+    assert '"id": "YOUR-KAGGLE-USERNAME/kaggle-quickstart"' in result.out
+    assert "credentials" not in result.text
+    assert sorted(p.name for p in folder.iterdir()) == [source.name]  # nothing written
+
+
+@pytest.mark.parametrize("source", QUICKSTARTS, ids=lambda p: p.stem)
+def test_each_quickstart_notebook_commits_with_the_machine_it_asks_for(
+    tmp_path: Path, kaggle_server: FakeKaggle, source: Path
+) -> None:
+    """No --accelerator: the commit asks Kaggle for what the notebook's parameters cell gives
+    nbresume.init (accelerator = "gpu" there, init(accelerator=accelerator) later)."""
+    kaggle_server.execute = False
+    folder = tmp_path / "user"
+    folder.mkdir()
+    notebook = folder / source.name
+    notebook.write_bytes(source.read_bytes())
+    result = nbresume(
+        ["commit", notebook.name, "--no-smoke"], cwd=folder, env=user_env(tmp_path, kaggle_server)
+    )
+    assert result.code == 0, result.text
+    wanted = parameter(source, "accelerator")
+    expected = {"gpu": (True, False), "tpu": (False, True)}.get(str(wanted), (False, False))
+    metadata = json.loads((folder / "kernel-metadata.json").read_text())
+    slug = source.stem.replace("_", "-")
+    assert metadata["id"] == f"{kaggle_server.username}/{slug}"
+    assert (metadata["enable_gpu"], metadata["enable_tpu"]) == expected
+    [push] = [r.body for r in kaggle_server.requests if r.path.endswith("/SaveKernel")]
+    assert (push["enableGpu"], push["enableTpu"]) == expected
+    assert push["slug"] == metadata["id"]

@@ -190,3 +190,47 @@ def test_a_papermill_parameters_cell_may_come_before_init(tmp_path: Path) -> Non
     assert found(nbfile.load(path)) == []
     untagged = notebook(tmp_path, "name = 'run'\nsteps = 100", FIRST, WRITES)
     assert found(untagged) == [("first-cell", "warn", 1)]
+
+
+def test_init_arguments_are_followed_through_the_notebooks_variables(tmp_path: Path) -> None:
+    """``accelerator = "gpu"`` in the parameters cell and ``init(accelerator=accelerator)``
+    later asks for a GPU, as much as ``init(accelerator="gpu")`` does."""
+    nb = notebook(
+        tmp_path,
+        'accelerator = "gpu"\nonline: bool = False',
+        "import nbresume\nrun = nbresume.init('demo', accelerator=accelerator, internet=online)",
+        WRITES,
+    )
+    assert expectations(nb) == ("gpu", False)
+    assert ("accelerator", "error", 2) in found(nb, Target("cpu", False))
+    assert ("internet", "error", 2) in found(nb, Target("gpu", True))
+    assert [f for f in found(nb, Target("gpu", False)) if f[1] == "error"] == []
+    # The value the name holds where init is called: a later assignment does not count, and
+    # a name bound to something that is not a constant is not guessed at.
+    later = notebook(
+        tmp_path,
+        'accelerator = "cpu"',
+        "import nbresume\nrun = nbresume.init('demo', accelerator=accelerator)",
+        'accelerator = "gpu"',
+    )
+    assert expectations(later) == ("cpu", None)
+    unknown = notebook(
+        tmp_path,
+        'accelerator = os.environ.get("ACCEL", "gpu")',
+        "import nbresume\nrun = nbresume.init('demo', accelerator=accelerator)",
+    )
+    assert expectations(unknown) == (None, None)
+
+
+def test_an_install_that_falls_back_to_an_attached_wheel_passes_with_internet_off(
+    tmp_path: Path,
+) -> None:
+    cell = (
+        "import glob\nwheels = glob.glob('../input/**/nbresume-*.whl', recursive=True)\n"
+        "if wheels:\n    %pip install -q --no-index --no-deps {wheels[-1]}\n"
+        "else:\n    %pip install -q nbresume"
+    )
+    nb = notebook(tmp_path, cell, FIRST, WRITES)
+    assert [f for f in found(nb, Target("cpu", False)) if f[0] == "pip-offline"] == []
+    plain = notebook(tmp_path, "%pip install -q nbresume", FIRST, WRITES)
+    assert ("pip-offline", "error", 1) in found(plain, Target("cpu", False))

@@ -127,3 +127,44 @@ def test_an_absolute_kaggle_path_fails_with_a_hint(tmp_path: Path, net_log: Path
     assert 'cell 1 (`with open("/kaggle/working/submission.csv", "w") as out:`)' in result.out
     assert "FileNotFoundError" in result.out
     assert "write relative paths" in result.out
+
+
+@pytest.mark.slow
+def test_colab_sandbox_keeps_drive_between_runs_without_google_colab(
+    tmp_path: Path, net_log: Path
+) -> None:
+    """``--platform colab`` needs no google.colab: Drive is a temporary folder that outlives
+    the first runtime, /content is new for each run, and nbresume.init finds Drive there."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    notebook = folder / "drive_counter.ipynb"
+    cells = [
+        # A file in the working folder (/content) does not outlive the runtime.
+        "import os\nassert not os.path.exists('scratch.txt')\n"
+        "open('scratch.txt', 'w').write('lost with the runtime')",
+        "import nbresume\nrun = nbresume.init('drive-counter', internet=False)\n"
+        "ckpt = run.checkpointer(every=None, async_save=False)\nckpt['total'] = 0",
+        "for step in ckpt.steps(10):\n    ckpt['total'] = ckpt['total'] + step",
+    ]
+    notebook.write_text(
+        json.dumps(
+            {
+                "nbformat": 4,
+                "nbformat_minor": 4,
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "cells": [
+                    {"cell_type": "code", "metadata": {}, "source": s, "outputs": []} for s in cells
+                ],
+            }
+        )
+    )
+    env = user_env(tmp_path, None)
+    marker = tmp_path / "colab-marker"  # the development stand-in of google.colab refuses
+    marker.touch()
+    env["COLAB_STANDIN_MARKER"] = str(marker)
+    result = smoke(tmp_path, notebook, "--platform", "colab", env=env)
+    assert result.code == 0, result.text
+    assert "(colab sandbox)" in result.out
+    assert "first run: ok" in result.out
+    assert "checkpoints: MyDrive/nbresume/drive-counter at step 6" in result.out
+    assert "smoke: OK" in result.out

@@ -84,14 +84,16 @@ def test_panel_and_once_across_a_reconnect(jupyter_env: dict[str, str], tmp_path
     assert cell_text(find_cell(first, "class Model")).endswith(f"trained to step {total} done\n")
     assert [i.step for i in CheckpointStore(run_dir, keep=None).list()] == [20, 30, 40]
 
-    # %load_ext displayed the panel once; its state is stored with the notebook.
+    # %load_ext displayed the setup panel and the panel once; their state is stored with the
+    # notebook.
     load = find_cell(first, "%load_ext nbresume")
     views = [o for o in load.outputs if WIDGET_VIEW in o.get("data", {})]
-    assert len(views) == 1
+    assert len(views) == 2
     init = find_cell(first, "import numpy as np")  # nbresume.init shows no second panel
     assert not [o for o in init.outputs if WIDGET_VIEW in o.get("data", {})]
     states = widget_states(first)
-    panel = states[views[0]["data"][WIDGET_VIEW]["model_id"]]
+    assert "nbresume-setup" in states[views[0]["data"][WIDGET_VIEW]["model_id"]]["_dom_classes"]
+    panel = states[views[1]["data"][WIDGET_VIEW]["model_id"]]
     assert "nbresume-panel" in panel["_dom_classes"]
     bar = panel_part(states, "nbresume-bar")
     assert (bar["value"], bar["max"]) == (total, total)

@@ -21,6 +21,10 @@ NOT_DETECTION = {
     "NO_COLOR",  # the terminal's colour switch
     "TMPDIR",  # where scratch space is, not which platform
     "COLAB_STANDIN_ROOT",  # the smoke run's Drive stand-in
+    "RANK",  # which process of a torch.distributed job this is
+    "CUBLAS_WORKSPACE_CONFIG",  # a setting deterministic=True makes, not a fact of the machine
+    "KAGGLE_USERNAME",  # the kaggle client's credentials
+    "KAGGLE_CONFIG_DIR",
 }
 
 

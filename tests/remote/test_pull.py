@@ -147,7 +147,7 @@ def test_a_corrupt_remote_file_is_named_and_nothing_is_called_safe(
     done = run_pull(sshd, child_env, src, dst)
 
     assert done.returncode == 1, done.stdout + done.stderr
-    assert f"{step_dirname(200)}/model.safetensors: sha256 mismatch" in done.stdout
+    assert f"{step_dirname(200)}/model.safetensors: xxh3-128 mismatch" in done.stdout
     assert "FAILED: 1 of 3" in done.stdout
     assert SAFE_LINE not in done.stdout
     assert verified_steps(dst) == {100: True, 300: True}

@@ -134,7 +134,7 @@ def test_the_newest_checkpoint_is_verified(
     code, out, _ = status(tmp_path / "ckpt", capsys)
     assert code == 1, out
     assert "checkpoint: step 20 does NOT verify" in out
-    assert "sha256 mismatch" in out
+    assert "xxh3-128 mismatch" in out
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ def show(value: object) -> str:
 def refused(call: str, argument: str, value: object, problem: str, fix: str) -> ArgumentError:
     """The error for ``call(argument=value)``: ``problem`` says what is wrong, ``fix`` what
     to pass instead."""
-    return ArgumentError(f"{call}({argument}={show(value)}): {problem}", fix=fix)
+    where = f"{call}({argument}={show(value)})"
+    return ArgumentError(f"{where}: {problem}", where=where, fix=fix)
 
 
 def is_int(value: object) -> TypeGuard[numbers.Integral]:

@@ -32,10 +32,11 @@ from types import FrameType
 from typing import Any
 
 from nbresume import knobs
+from nbresume.checkpoint import determinism, health, hooks, restoring, stops
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint import hooks, restoring
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
 from nbresume.checkpoint.cadence import Cadence
+from nbresume.checkpoint.confirm import Confirmation, confirm
 from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.deadline import resolve_deadline
 from nbresume.checkpoint.durability import DurabilityWatcher
@@ -78,6 +79,11 @@ class Checkpointer(EpochLoopMixin):
             ``endpoint_url``, ...).
         trainable_only: save only what trains of every ``nn.Module`` (see
             :func:`nbresume.trainable_only`): for fine-tuning with frozen weights.
+        quiet: show no progress. Without it, a Checkpointer that no panel or ``nbresume.init``
+            shows prints a status line on stderr (log lines when stderr is not a terminal).
+        deterministic: make PyTorch's CUDA kernels repeatable (see
+            :func:`nbresume.checkpoint.determinism.enable`), so that a resumed run continues
+            bit for bit on a GPU too; slower. Set it before the first CUDA operation.
         **state: named stateful objects (model, optimizer, scheduler, GradScaler, a
             StatefulDataLoader: anything with ``state_dict()`` and ``load_state_dict()``) and
             DataLoaders. Plain values are set with ``ckpt["name"] = value``.
@@ -98,6 +104,8 @@ class Checkpointer(EpochLoopMixin):
         callbacks: list[ev.Callback] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         trainable_only: bool = False,
+        quiet: bool = False,
+        deterministic: bool = False,
         **state: Any,
     ) -> None:
         # Everything is checked before anything is built: a refused call changes nothing.
@@ -111,13 +119,18 @@ class Checkpointer(EpochLoopMixin):
             callbacks=callbacks,
             storage_options=storage_options,
             trainable_only=trainable_only,
+            quiet=quiet,
             state=state,
         )
+        check_bool("Checkpointer", "deterministic", deterministic)
+        determinism.apply(deterministic, "Checkpointer")
         self.store = CheckpointStore(
             dir, keep=keep, keep_best=keep_best, storage_options=storage_options
         )
         self.cadence = Cadence(every)
         self.async_save = async_save
+        #: No progress display follows this Checkpointer (its callbacks still get every event).
+        self.quiet = quiet
         self.events = ev.EventBus(callbacks)
         #: Watches checkpoints on a write-back store (Drive) until the durable copy matches.
         self.durability = (
@@ -341,14 +354,21 @@ class Checkpointer(EpochLoopMixin):
             snapshot.tensors = self._saver.buffers.copy(snapshot.tensors)
         return snapshot
 
-    def wait(self) -> None:
+    def wait(self, *, durable: bool = False, timeout: float | None = None) -> Confirmation | None:
         """Block until the save in flight (if any) is committed and verified; raise its error.
+
+        With ``durable=True``, then wait until the storage itself confirms the newest
+        checkpoint (Google Drive reports its MD5s, an object store lists its files, a local
+        disk has fsynced them) and return what it confirmed: the moment it is safe to close
+        the tab or stop the machine. ``timeout`` (seconds) bounds that wait; past it,
+        :class:`~nbresume.errors.CheckpointError` says what the storage reported.
 
         Under ``torch.distributed`` every rank calls it, and every rank raises rank 0's error.
         """
         self._background.wait()
         if self._chosen is not None:  # else nothing was ever saved
             self._chosen.raise_background_error()
+        return confirm(self.store, timeout=timeout) if durable else None
 
     # -- the loops -------------------------------------------------------------------------
 
@@ -464,19 +484,12 @@ class Checkpointer(EpochLoopMixin):
         if self._smoke_stop_at is not None and self.step >= self._smoke_stop_at:
             return f"smoke run: stopped after the steps {knobs.SMOKE_STEPS.name} allows"
         if self._stop_signal is not None:
-            return f"received {signal.Signals(self._stop_signal).name}"
-        if self.deadline is not None:
-            margin = self._deadline_margin()
-            if time.time() + margin >= self.deadline:
-                return f"stopping before the session deadline ({self.deadline_source})"
-        return ""
+            return stops.signal_reason(self._stop_signal)
+        return stops.deadline_reason(self.deadline, self.deadline_source, self._deadline_margin())
 
     def _deadline_margin(self) -> float:
         """Enough time for one more step and a save, measured; a floor on platform caps."""
-        save = self.cadence.save_cost_s if self.cadence.save_cost_s is not None else 1.0
-        step = self.cadence.step_time_s or 0.0
-        floor = 0.0 if self._explicit_deadline else 120.0
-        return floor + 3.0 * save + 2.0 * step
+        return stops.deadline_margin(self.cadence, explicit=self._explicit_deadline)
 
     def _finish(self) -> None:
         self.done = True
@@ -490,6 +503,7 @@ class Checkpointer(EpochLoopMixin):
     def _loop(self) -> Iterator[None]:
         """Signals become stop requests handled at the next step boundary, never a write in
         the handler itself."""
+        health.watch_oom(self)  # an out-of-memory error leaving the body gets the advice
         if not self._in_loop:
             # A stop asked for before this loop, or the reason the last one stopped, is not
             # meant for this one (epochs() ends early while stop_reason is set).
@@ -503,22 +517,17 @@ class Checkpointer(EpochLoopMixin):
         self._in_loop = True
         self._stop_signal = None
         self._batch_started = None
-        previous: dict[int, Any] = {}
 
         def request(signum: int, frame: FrameType | None) -> None:
             if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
                 raise KeyboardInterrupt  # a second interrupt: stop at once
             self._stop_signal = signum
 
-        for signum in _STOP_SIGNALS:
-            with contextlib.suppress(ValueError, OSError):
-                previous[signum] = signal.signal(signum, request)
+        previous = stops.install(request)
         try:
             yield
         finally:
-            for number, handler in previous.items():
-                with contextlib.suppress(ValueError, OSError):
-                    signal.signal(number, handler)
+            stops.restore(previous)
             self._in_loop = False
 
     # -- inspection and lifetime -----------------------------------------------------------
@@ -566,6 +575,8 @@ class Checkpointer(EpochLoopMixin):
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if isinstance(exc_info[1], BaseException):
+            health.advise_oom(exc_info[1], self)
         if exc_info[0] is None:
             self.close()
         else:
@@ -590,6 +601,4 @@ class Checkpointer(EpochLoopMixin):
         return f"Checkpointer({self.store.location!r}, step={self.step}, done={self.done})"
 
 
-_STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT] + (
-    [signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []
-)
+_STOP_SIGNALS = stops.STOP_SIGNALS

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from nbresume.checkpoint.health import DataWait
 from nbresume.errors import UsageError
 
 _SAMPLE_CONTEXT: dict[str, int] = {"seed": 0, "epoch": 0}
@@ -198,6 +199,11 @@ class ResumableLoader:
         self._pass_key: tuple[int, int] | None = None
         #: Where the Checkpointer created this wrapper: (loop, epoch), or None (runtime only).
         self._created_in: tuple[int, int] | None = None
+        #: How long the loop waits for each batch and keeps it (runtime only): the data-wait
+        #: share the status line and the panel show.
+        self.data_wait = DataWait()
+        self.data_wait.num_workers = getattr(loader, "num_workers", None)
+        self.data_wait.pin_memory = getattr(loader, "pin_memory", None)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -281,7 +287,7 @@ class ResumableLoader:
         """The rest of the current data epoch, outside an epoch loop (``steps()``, by hand)."""
         if self.position >= len(self.loader):
             self.epoch, self.position = self.epoch + 1, 0
-        for batch in self._make_loader(self.position):
+        for batch in self.data_wait.timed(self._make_loader(self.position)):
             self.position += 1
             yield batch
         self.epoch, self.position = self.epoch + 1, 0
@@ -298,7 +304,7 @@ class ResumableLoader:
             return  # the loop is stopping: nothing more is handed out
         if self.position >= total:
             self.epoch, self.position = self.epoch + 1, 0
-        for batch in self._make_loader(self.position):
+        for batch in self.data_wait.timed(self._make_loader(self.position)):
             self.position += 1
             loop._batch_given(self)
             try:

@@ -78,9 +78,27 @@ def watch_checkpointers(callback: Callable[[Any], None]) -> Callable[[], None]:
     return lambda: _watchers.remove(callback) if callback in _watchers else None
 
 
+#: Shows a Checkpointer's progress when no watcher does (a plain script without
+#: ``nbresume.init``); registered from above by :func:`provide_default_watcher`.
+_default_watcher: Callable[[Any], None] | None = None
+
+
+def provide_default_watcher(callback: Callable[[Any], None] | None) -> None:
+    """Register what follows a new Checkpointer that nothing watches (``None``: nothing)."""
+    global _default_watcher  # noqa: PLW0603 -- this module is the registry
+    _default_watcher = callback
+
+
 def announce(checkpointer: Any) -> None:
-    """Tell the watchers about a new Checkpointer; a watcher that raises is logged."""
-    for callback in list(_watchers):
+    """Tell the watchers about a new Checkpointer; a watcher that raises is logged.
+
+    A Checkpointer made with ``quiet=True`` is announced to nobody. When nothing watches, the
+    default watcher (a status line on stderr) follows it.
+    """
+    if getattr(checkpointer, "quiet", False):
+        return
+    default = [_default_watcher] if not _watchers and _default_watcher is not None else []
+    for callback in list(_watchers) or default:
         try:
             callback(checkpointer)
         except Exception:

@@ -7,7 +7,9 @@ The protocol: nothing under ``checkpoint/`` imports a platform module. The layer
   ``deadline="auto"`` asks for through :func:`session_deadline`; no provider: no cap;
 - the action after a stop-save on a signal (:func:`provide_after_stop_save`), which a
   :class:`~nbresume.checkpoint.checkpointer.Checkpointer` takes from :data:`after_stop_save`
-  as its ``after_stop`` when it is made; ``None``: no action.
+  as its ``after_stop`` when it is made; ``None``: no action;
+- how many CPUs this container may really use (:func:`provide_usable_cpus`), which the
+  input-bound advice asks for through :func:`usable_cpus`; no provider: unknown.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 _session_deadline: Callable[[], tuple[float | None, str]] | None = None
+_usable_cpus: Callable[[], int | None] | None = None
 
 #: ``after_stop_save(signum, step)``: called by the process that leads the job once the
 #: checkpoint of ``step`` is saved on the stop signal ``signum``, just before the process
@@ -39,3 +42,18 @@ def provide_after_stop_save(action: Callable[[int, int], object] | None) -> None
     """Register the action after a stop-save on a signal."""
     global after_stop_save  # noqa: PLW0603 -- this module is the registry
     after_stop_save = action
+
+
+def provide_usable_cpus(provider: Callable[[], int | None] | None) -> None:
+    """Register ``provider() -> CPUs usable by this container`` (its cgroup quota)."""
+    global _usable_cpus  # noqa: PLW0603 -- this module is the registry
+    _usable_cpus = provider
+
+
+def usable_cpus() -> int | None:
+    """The CPUs this container may use, from the registered provider; ``None`` when unknown
+    (no provider, or the provider failed: the answer only shapes advice)."""
+    try:
+        return _usable_cpus() if _usable_cpus is not None else None
+    except Exception:
+        return None

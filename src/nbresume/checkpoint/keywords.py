@@ -47,6 +47,7 @@ def check_arguments(
     storage_options: object,
     trainable_only: object,
     state: Mapping[str, Any],
+    quiet: object = False,
 ) -> None:
     """Check every argument of ``Checkpointer(...)``; raise ArgumentError for the first wrong
     one, naming it, its value and the fix."""
@@ -59,6 +60,7 @@ def check_arguments(
     check_deadline(deadline, call)
     check_bool(call, "async_save", async_save)
     check_bool(call, "trainable_only", trainable_only)
+    check_bool(call, "quiet", quiet)
     check_callbacks(call, callbacks)
     check_storage_options(call, storage_options)
     for name, value in state.items():

@@ -14,8 +14,10 @@ Checkpointer's, the sharded ones and :meth:`CheckpointStore.save` included, goes
    the pending folder (or moves them there from a folder beside it); :meth:`add_entries`
    records files that other processes (the ranks of a sharded save) wrote into it.
 3. :meth:`commit`: ``manifest.json`` is written last and is the commit marker; on POSIX the
-   folder is fsynced, renamed into place and its parent fsynced. The checkpoint is then read
-   back and verified, and only then returned; retention applies after that.
+   folder is fsynced, renamed into place and its parent fsynced. The checkpoint is then
+   checked as the store has it (on a local device's file system the manifest and each file's
+   size; elsewhere every byte read back and compared), and only then returned; retention
+   applies after that.
 4. :meth:`discard` (or any exception inside a ``with`` block, or any failure in 2-3) removes
    the pending folder: nothing a reader takes is left, and every earlier checkpoint is intact.
 """
@@ -44,7 +46,7 @@ from nbresume.checkpoint.format import (
     is_valid_file_name,
     step_dirname,
 )
-from nbresume.checkpoint.hashing import Digests, write_files
+from nbresume.checkpoint.hashing import Digests, default_hash, write_files
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.reading import verify_folder
 from nbresume.checkpoint.storage import READ_CHUNK, LocalStore, Store
@@ -89,6 +91,8 @@ class PendingCheckpoint:
         self._coordinator = coordinator
         self._entries: dict[str, FileEntry] = {}
         self._written: dict[str, Sequence[bytes | memoryview]] = {}
+        #: The hash of every file written here (the store's choice, else the default).
+        self.hash = default_hash(getattr(owner, "hash", None))
         self._state = "open"
         #: The committed manifest's bytes, once :meth:`commit` returned.
         self.manifest_bytes = b""
@@ -149,7 +153,9 @@ class PendingCheckpoint:
         for name, _ in files:
             self._check_new(name)
         with self._failing(size_of(files), len(files)):
-            entries = write_files(self._backend, self.folder, files, md5=self._owner.md5)
+            entries = write_files(
+                self._backend, self.folder, files, md5=self._owner.md5, algorithm=self.hash
+            )
         self._entries.update(entries)
         if keep:
             self._written.update(files)
@@ -161,7 +167,7 @@ class PendingCheckpoint:
         self._check_new(name)
         path = Path(source)
         with self._failing(_file_size(path), 1):
-            digests = Digests(md5=self._owner.md5, threaded=False)
+            digests = Digests(md5=self._owner.md5, threaded=False, algorithm=self.hash)
             size = 0
             with open(path, "rb") as src:
                 handle = self._backend.open_write(self.folder, name)
@@ -174,8 +180,8 @@ class PendingCheckpoint:
                     handle.close()
                     raise
                 self._backend.close_durably(handle)
-            sha256, md5 = digests.result()
-        entry = FileEntry(size=size, sha256=sha256, md5=md5)
+            digest, md5 = digests.result()
+        entry = FileEntry(size, digest, md5, self.hash)
         self._entries[name] = entry
         return entry
 
@@ -210,6 +216,11 @@ class PendingCheckpoint:
         the same entry."""
         self._check_open()
         for name, entry in entries.items():
+            if entry.algorithm != self.hash:
+                raise UsageError(
+                    f"{name} is hashed with {entry.algorithm}, this checkpoint with {self.hash}",
+                    fix="every process of a save must use the same hash (NBRESUME_HASH)",
+                )
             if self._entries.get(name, entry) != entry:
                 raise UsageError(f"{name} was recorded twice with different contents")
             if name not in self._entries:
@@ -235,7 +246,7 @@ class PendingCheckpoint:
             raise UsageError("only the process that began a pending checkpoint commits it")
         if not self._entries:
             self.discard()
-            raise CheckpointError("nothing to save: pass tensors= or data=")
+            raise CheckpointError("nothing to save: pass tensors= or data=", where=self.location)
         final = step_dirname(self.step)
         manifest = Manifest(
             step=self.step,
@@ -252,8 +263,14 @@ class PendingCheckpoint:
         info = CheckpointInfo(self.step, final, self._backend.child(final), manifest)
         if on_committed is not None:
             on_committed(info)
+        # Where the store says reading back proves nothing a write-time hash does not (the
+        # page cache of a local disk), sizes and the manifest are checked, not the bytes.
         result = verify_folder(
-            self._backend, final, expected_manifest=manifest_bytes, written=self._written
+            self._backend,
+            final,
+            expected_manifest=manifest_bytes,
+            written=self._written,
+            read_back=getattr(self._backend, "readback_after_save", True),
         )
         self._written = {}
         if not result.ok:
@@ -316,6 +333,7 @@ class PendingCheckpoint:
         if not is_valid_file_name(name):
             raise CheckpointError(
                 f"{name!r} cannot name a checkpoint file",
+                where=self.location,
                 fix="use a *.safetensors or *.json name of letters, digits, '_', '-' and '.', "
                 "not starting with '.'",
             )
@@ -369,12 +387,12 @@ class PendingCheckpoint:
                 os.close(fd)
         size = 0
         with self._backend.open_read(self.folder, name) as handle:
-            digests = Digests(md5=self._owner.md5, threaded=False)
+            digests = Digests(md5=self._owner.md5, threaded=False, algorithm=self.hash)
             while chunk := handle.read(READ_CHUNK):
                 digests.update(chunk)
                 size += len(chunk)
-            sha256, md5 = digests.result()
-        return FileEntry(size=size, sha256=sha256, md5=md5)
+            digest, md5 = digests.result()
+        return FileEntry(size, digest, md5, self.hash)
 
 
 def encode(
@@ -392,6 +410,7 @@ def encode(
         except (TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"the value saved as {stem!r} cannot be written as JSON: {exc}",
+                where=stem,
                 fix="save tensors in `tensors=` and keep `data=` to numbers, strings, "
                 "lists and dicts",
             ) from None
@@ -421,6 +440,7 @@ def _plain_files(folder: Path) -> list[str]:
         if not (folder / name).is_file() or (folder / name).is_symlink():
             raise UsageError(
                 f"{folder / name} is not a regular file",
+                where=str(folder / name),
                 fix="a checkpoint holds files only, directly in its folder",
             )
     return names

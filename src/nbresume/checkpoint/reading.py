@@ -12,7 +12,10 @@ The protocol of a read (every function below keeps it):
    file claiming more bytes than it holds is refused before memory is spent on it.
 3. Verification (:func:`verify_folder`) reads every file back the same way, or, right after
    a save, compares it byte for byte with the bytes still in memory that were hashed into the
-   manifest; it then checks what a load would parse (headers, JSON, ``state.json``).
+   manifest; it then checks what a load would parse (headers, JSON, ``state.json``). Right
+   after a save on a local device's file system, where what reads back is the page cache
+   (the bytes hashed as they were written), it checks the manifest and each file's size
+   only (``read_back=False``).
 4. Loading takes the newest checkpoint that verifies, passes over newer ones that do not with
    one warning naming each, and raises NoCheckpointError when none is usable
    (:func:`newest_that_loads`, used by every reader of the package, sharded loads included).
@@ -107,13 +110,16 @@ def verify_folder(
     name: str,
     expected_manifest: bytes | None = None,
     written: Mapping[str, Sequence[Buffer]] | None = None,
+    *,
+    read_back: bool = True,
 ) -> VerifyResult:
     """Check a checkpoint folder against its manifest.
 
     With ``expected_manifest`` (right after a save) the manifest must read back as those
     bytes, and a file whose bytes are in ``written`` (the very memory that was hashed into
     that manifest and written) is read back and compared with them byte for byte; every
-    other file is read back and re-hashed.
+    other file is read back and re-hashed. Without ``read_back`` (right after a save only)
+    each file's size is checked instead of its bytes.
     """
     step = parse_step_dirname(replaced_step(name) or name)
     assert step is not None
@@ -125,7 +131,9 @@ def verify_folder(
         buffers = ReadBackBuffers()
         heads: dict[str, bytes] = {}
         for file_name, entry in manifest.files.items():
-            if expected_manifest is not None and written and file_name in written:
+            if expected_manifest is not None and not read_back:
+                check_stored_size(store, name, file_name, entry)
+            elif expected_manifest is not None and written and file_name in written:
                 compare_file(store, name, file_name, entry, written[file_name], buffers=buffers)
             else:
                 heads[file_name] = hash_file(store, name, file_name, entry)
@@ -141,6 +149,16 @@ def verify_folder(
     except OSError as exc:
         return VerifyResult(name, step, location, ok=False, problem=f"cannot read: {exc}")
     return VerifyResult(name, step, location, ok=True, size=manifest.payload_bytes)
+
+
+def check_stored_size(store: Store, name: str, file_name: str, entry: FileEntry) -> None:
+    """The file is there, a regular file of the manifest's size (nothing of it is read)."""
+    where = store.child(name, file_name)
+    with store.open_read(name, file_name) as handle:
+        size = handle_size(handle)
+        if size is None:
+            size = len(handle.read(entry.size + 1))
+    check_size(where, entry, size)
 
 
 def compare_file(
@@ -184,7 +202,11 @@ def hash_file(store: Store, name: str, file_name: str, entry: FileEntry) -> byte
     head = Head(file_name, entry.size)
     capacity = min(READ_CHUNK, entry.size + 1)  # one byte more shows a file too large
     ring: list[bytearray] = []
-    digests = Digests(md5=entry.md5 is not None, threaded=entry.size >= THREAD_MIN_BYTES)
+    digests = Digests(
+        md5=entry.md5 is not None,
+        threaded=entry.size >= THREAD_MIN_BYTES,
+        algorithm=entry.algorithm,
+    )
     size = 0
     try:
         with store.open_read(name, file_name) as handle:
@@ -241,7 +263,9 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
                 with store.open_read(name, file_name) as handle:
                     known = handle_size(handle)
                     digests = Digests(
-                        md5=entry.md5 is not None, threaded=entry.size >= THREAD_MIN_BYTES
+                        md5=entry.md5 is not None,
+                        threaded=entry.size >= THREAD_MIN_BYTES,
+                        algorithm=entry.algorithm,
                     )
                     pending.append((file_name, entry, memoryview(b""), 0, digests))
                     check_json_size(where, file_name, entry)

@@ -135,6 +135,7 @@ def load_object(name: str, obj: Any, tree: Any) -> None:
     except Exception as exc:
         raise CheckpointError(
             f"restoring {name!r} failed: {exc}",
+            where=name,
             fix="the object must be built exactly as in the run that saved it "
             "(same model, optimizer and parameter groups)",
         ) from exc

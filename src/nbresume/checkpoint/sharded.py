@@ -45,7 +45,6 @@ reading policy of every reader (:func:`nbresume.checkpoint.reading.newest_that_l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -78,7 +77,7 @@ from nbresume.checkpoint.format import (
     parse_step_dirname,
     step_dirname,
 )
-from nbresume.checkpoint.hashing import check_file
+from nbresume.checkpoint.hashing import check_bytes
 from nbresume.checkpoint.pending import PendingCheckpoint, encode
 from nbresume.checkpoint.reading import decode_files, newest_that_loads
 from nbresume.checkpoint.storage import replaced_step
@@ -252,9 +251,7 @@ def save_sharded(
             try:
                 for rank_report in reports:
                     files = rank_report["files"].items()
-                    pending.add_entries(
-                        {n: FileEntry(e["size"], e["sha256"], e.get("md5")) for n, e in files}
-                    )
+                    pending.add_entries({n: FileEntry.from_json(e) for n, e in files})
                 pending.commit(metrics, on_committed=on_committed)
                 manifest_bytes = pending.manifest_bytes
             except (OSError, CheckpointError) as exc:
@@ -388,13 +385,7 @@ def _load_folder(
     problem = ""
     try:
         entry = manifest.files[meta_name]
-        check_file(
-            store.backend.child(folder, meta_name),
-            entry,
-            len(shared),
-            hashlib.sha256(shared).hexdigest(),
-            hashlib.md5(shared, usedforsecurity=False) if entry.md5 else None,
-        )
+        check_bytes(store.backend.child(folder, meta_name), entry, shared)
         metadata = decode_metadata(
             shared, where=store.backend.child(folder, meta_name), manifest=manifest
         )

@@ -94,9 +94,7 @@ class HostBuffers:
             or buffer.shape != source.shape
             or buffer.dtype != source.dtype
         ):
-            buffer = torch.empty(
-                source.shape, dtype=source.dtype, device="cpu", pin_memory=source.is_cuda
-            )
+            buffer = host_buffer(source)  # pinned for a CUDA tensor, when pinning works
             self._buffers[slot] = buffer
         buffer.copy_(source, non_blocking=source.is_cuda)
         return buffer
@@ -294,3 +292,29 @@ def background_failure(error: BaseException | None) -> CheckpointError | None:
         where=where,
         fix=f"the previous checkpoint is intact; {fix or 'fix the cause and save again'}",
     )
+
+
+# -- pinned host memory, with a fallback -----------------------------------------------------
+
+#: Set when pinning host memory failed once: later buffers are pageable without trying again.
+_PINNING_FAILED: list[str] = []
+
+
+def host_buffer(source: Any) -> Any:
+    """An empty CPU tensor shaped like ``source``: pinned when ``source`` is on CUDA (the copy
+    then runs asynchronously), pageable when pinning fails (a low locked-memory limit in a
+    container, no host memory left to lock). A pageable buffer is correct, only slower: the
+    copy into it waits for the GPU."""
+    import torch
+
+    if source.is_cuda and not _PINNING_FAILED:
+        try:
+            return torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
+        except RuntimeError as exc:
+            _PINNING_FAILED.append(str(exc))
+            log.warning(
+                "nbresume: pinned host memory is not available (%s); snapshots of CUDA "
+                "tensors use ordinary memory and wait for the copy",
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+    return torch.empty(source.shape, dtype=source.dtype, device="cpu")

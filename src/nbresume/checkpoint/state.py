@@ -87,6 +87,7 @@ def flatten(tree: Tree, *, name: str) -> tuple[Tree, dict[str, Any]]:
         raise CheckpointError(
             f"cannot store {where!r}: a {type(value).__module__}.{type(value).__qualname__} is "
             "neither a tensor nor a plain value",
+            where=where,
             fix="return tensors, numbers, strings, lists and dicts from state_dict(); "
             "nbresume never pickles, so that loading a checkpoint can never run code",
         )

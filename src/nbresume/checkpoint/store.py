@@ -47,7 +47,7 @@ from nbresume.checkpoint.arguments import (
     check_storage_options,
 )
 from nbresume.checkpoint.format import FileEntry, Manifest
-from nbresume.checkpoint.hashing import read_header
+from nbresume.checkpoint.hashing import default_hash, read_header
 from nbresume.checkpoint.info import CheckpointInfo, LoadedCheckpoint, VerifyReport, VerifyResult
 from nbresume.checkpoint.pending import PendingCheckpoint, encode, size_of
 from nbresume.checkpoint.reading import verify_folder
@@ -68,6 +68,9 @@ class CheckpointStore:
             (default: ``keep``) checkpoints by that metric.
         md5: also record MD5 hashes (for stores that report MD5s, such as Google Drive).
         check_space: refuse to start a save that would not fit (where free space is known).
+        hash: the hash of new checkpoints, ``"xxh3-128"`` or ``"sha256"``; default: the
+            ``NBRESUME_HASH`` environment variable, else XXH3-128 where ``xxhash`` is installed.
+            Checkpoints of either hash load whatever this says.
         storage_options: options for the fsspec file system of a URL location (credentials,
             ``endpoint_url``, ...), e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}`` for
             an S3-compatible server. Not allowed with a local folder.
@@ -82,6 +85,7 @@ class CheckpointStore:
         md5: bool = False,
         check_space: bool = True,
         storage_options: Mapping[str, Any] | None = None,
+        hash: str | None = None,
     ) -> None:
         # Every argument is checked before the store is opened.
         call = "CheckpointStore"
@@ -89,6 +93,8 @@ class CheckpointStore:
         self.keep_best = _check_keep_best(keep_best, call)
         md5 = check_bool(call, "md5", md5)
         self.check_space = check_bool(call, "check_space", check_space)
+        #: The hash asked for (``None``: :func:`nbresume.checkpoint.hashing.default_hash`).
+        self.hash = None if hash is None else default_hash(hash)
         storage_options = check_storage_options(call, storage_options)
         if isinstance(location, Store):
             self.backend = location
@@ -138,7 +144,7 @@ class CheckpointStore:
         """
         files = encode(tensors or {}, data or {})
         if not files:
-            raise CheckpointError("nothing to save: pass tensors= or data=")
+            raise CheckpointError("nothing to save: pass tensors= or data=", where=self.location)
         with self.begin(step, size=size_of(files), files=len(files)) as pending:
             pending.write_files(files)
             return pending.commit(metrics, on_committed=on_committed)

@@ -99,7 +99,7 @@ def push_next(kaggle: Kaggle, previous: str, target: str, timeout_s: int | None)
     accelerator = meta.Accelerator(shape or kind, kind, shape if kind != "cpu" else None)
     slug = meta.parse_ref(target)[1]
     with tempfile.TemporaryDirectory(prefix="nbresume-leg-") as folder:
-        code_file = f"{slug}.ipynb"
+        code_file = f"{slug}.py" if info.kernel_type == "script" else f"{slug}.ipynb"
         (Path(folder) / code_file).write_text(info.source, encoding="utf-8")
         document = meta.build(
             target,

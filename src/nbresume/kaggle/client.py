@@ -32,6 +32,9 @@ MAX_PAGES = 1000
 DOWNLOAD_CHUNK = 1 << 20
 #: (connect, read) seconds for one request to Kaggle or to a file's URL.
 TIMEOUT = (30.0, 300.0)
+#: How long an uploaded dataset may take to become ready, and the seconds between two looks.
+DATASET_READY_S = 600.0
+DATASET_POLL_S = 3.0
 
 _CREDENTIALS_FIX = (
     "create an API token at kaggle.com → Settings → API → Create New Token, then save "
@@ -92,6 +95,7 @@ class KernelInfo:
     source: str
     settings: dict[str, Any]
     version: int | None
+    kernel_type: str = "notebook"
 
 
 def classify(error: str, ref: str, user: str) -> KaggleError:
@@ -198,6 +202,69 @@ class Kaggle:
             invalid_sources={k: v for k, v in invalid.items() if v},
         )
 
+    def publish_dataset(self, folder: Path, ref: str, title: str) -> str:
+        """Upload the files of ``folder`` as a new version of the private dataset ``ref``
+        (made by the first upload); return the dataset's URL. ``dataset-metadata.json`` is
+        written into ``folder``."""
+        import json
+
+        document = {"id": ref, "title": title, "licenses": [{"name": "other"}]}
+        (folder / "dataset-metadata.json").write_text(json.dumps(document), encoding="utf-8")
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    self.api.dataset_status(ref)
+                    exists = True
+                except Exception as exc:
+                    if not _is_not_found(exc):
+                        raise
+                    exists = False
+                if exists:
+                    response = self.api.dataset_create_version(
+                        str(folder), "uploaded by nbresume commit", quiet=True, dir_mode="skip"
+                    )
+                else:
+                    response = self.api.dataset_create_new(
+                        str(folder), public=False, quiet=True, dir_mode="skip"
+                    )
+        except ValueError as exc:
+            raise KaggleError(
+                f"the kaggle client refused the dataset {ref}: {exc}", where=str(folder)
+            ) from None
+        except Exception as exc:
+            raise self._translate(exc, f"uploading the dataset {ref}") from None
+        if response is None or response.error:
+            error = response.error if response is not None else "no answer"
+            raise KaggleError(
+                f"Kaggle refused the dataset {ref}: {error}",
+                fix="commit with --internet (the notebook then installs nbresume with pip), "
+                "or with --no-wheel if the notebook installs nbresume itself",
+            )
+        self._wait_dataset_ready(ref)
+        return str(response.url or "")
+
+    def _wait_dataset_ready(self, ref: str) -> None:
+        """Kaggle processes an upload before a notebook can attach it: wait until the
+        dataset's status is ``ready`` (``KaggleError`` after :data:`DATASET_READY_S`)."""
+        import time
+
+        deadline = time.monotonic() + DATASET_READY_S
+        status = ""
+        while True:
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    status = str(self.api.dataset_status(ref) or "").lower()
+            except Exception as exc:
+                raise self._translate(exc, f"asking for the dataset {ref}") from None
+            if status == "ready":
+                return
+            if status in ("failed", "deleted") or time.monotonic() >= deadline:
+                raise KaggleError(
+                    f"the dataset {ref} is {status or 'not ready'} after the upload",
+                    fix=f"check it at kaggle.com/datasets/{ref}, then commit again",
+                )
+            time.sleep(DATASET_POLL_S)
+
     def status(self, ref: str) -> SessionStatus:
         """The state of the latest version of ``ref``."""
         from kagglesdk.kernels.types.kernels_api_service import (
@@ -275,6 +342,7 @@ class Kaggle:
             source=str(blob.source),
             settings=settings,
             version=meta.current_version_number,
+            kernel_type=str(blob.kernel_type or meta.kernel_type or "notebook"),
         )
 
     def download(self, url: str, target: Path) -> int:
@@ -344,6 +412,11 @@ class Kaggle:
                 reason="network",
             )
         return KaggleError(f"the kaggle client failed while {what}: {exc}", fix="try again")
+
+
+def _is_not_found(exc: Exception) -> bool:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None) == 404
 
 
 def safe_output_path(root: Path, name: str) -> Path:

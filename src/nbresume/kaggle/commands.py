@@ -4,6 +4,7 @@ raises :class:`~nbresume.errors.NbresumeError` for a failure the command line re
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ from nbresume.kaggle import metadata as meta
 from nbresume.kaggle import notebook as nbfile
 from nbresume.kaggle import secrets
 from nbresume.kaggle.lint import Target, expectations, lint
+from nbresume.kaggle.wheel import DATASET_SLUG as WHEEL_DATASET
 
 if TYPE_CHECKING:
     from nbresume.kaggle.client import Kaggle
@@ -48,7 +50,7 @@ def smoke(
 def commit(
     notebook: str,
     *,
-    kernel: str,
+    kernel: str | None = None,
     accelerator: str | None = None,
     internet: bool | None = None,
     private: bool = True,
@@ -60,23 +62,28 @@ def commit(
     poll_s: float = 60.0,
     timeout_s: int | None = None,
     output: str | None = None,
+    dry_run: bool = False,
+    wheel: bool | None = None,
 ) -> int:
     """``nbresume commit NOTEBOOK --kernel owner/slug``: scan, lint, smoke, write
-    kernel-metadata.json, push, and with ``chain`` follow the legs."""
-    from nbresume.kaggle.client import Kaggle
-
+    kernel-metadata.json, push, and with ``chain`` follow the legs. With ``dry_run`` print the
+    kernel-metadata.json instead of writing and pushing it (no credentials needed). With
+    internet off (or ``wheel``), nbresume's wheel is uploaded as a dataset and attached."""
     path = Path(notebook)
     nb = nbfile.load(path)
+    kernel = kernel or _default_kernel(path, dry_run)
     owner, slug = meta.parse_ref(kernel)
-    # Unset on the command line: what the first cell's nbresume.init asks for (a GPU is
-    # T4 x2, Kaggle's default), else CPU; internet on, as the kaggle client's default.
+    # Unset on the command line: what nbresume.init asks for (followed through the
+    # notebook's variables; a GPU is T4 x2, Kaggle's default), else CPU; internet on, as the
+    # kaggle client's default.
     wanted, wanted_internet = expectations(nb)
     accel = meta.parse_accelerator(accelerator or wanted or "cpu")
     if internet is None:
         internet = True if wanted_internet is None else wanted_internet
+    bundle = (not internet) if wheel is None else wheel
     title = title or meta.default_title(slug)
     caution = meta.check_title(title, slug)
-    found = secrets.scan(nb)
+    found = secrets.scan(nb, path.parent)
     if found:
         _warn(secrets.report(found))
         return 1
@@ -90,7 +97,6 @@ def commit(
             "(fix them, or pass --allow RULE for a rule that does not apply)"
         )
         return 1
-    kaggle = Kaggle()  # credentials are checked before minutes go into the smoke run
     if smoke_first:
         from nbresume.kaggle.smoke import smoke as run_smoke
 
@@ -101,6 +107,10 @@ def commit(
             _warn("the smoke run failed; nothing was pushed (or pass --no-smoke)")
             return 1
     existing = meta.read_existing(path.parent, path.name)
+    dataset = f"{owner}/{WHEEL_DATASET}"
+    sources = {key: list(existing.get(key) or []) for key in meta.SOURCE_KEYS}
+    if bundle and dataset not in sources["dataset_sources"]:
+        sources["dataset_sources"].append(dataset)
     document = meta.build(
         kernel,
         path.name,
@@ -108,13 +118,26 @@ def commit(
         accelerator=accel,
         internet=internet,
         private=private,
+        sources=sources,
         extra=existing,
     )
-    written = meta.write(path.parent, document)
-    _say(f"wrote {written}")
     for note in (caution, accel.note):
         if note:
             _warn(f"caution: {note}")
+    if dry_run:
+        _say(f"the {meta.METADATA_FILE} that would be pushed:")
+        _say(json.dumps(document, indent=2))
+        if bundle:
+            _say(f"nbresume's wheel would be uploaded as the private dataset {dataset}")
+        _say("dry run: nothing was written or pushed")
+        return 0
+    from nbresume.kaggle.client import Kaggle
+
+    kaggle = Kaggle()  # credentials are needed from here on, and checked here
+    if bundle:
+        _publish_wheel(kaggle, dataset)
+    written = meta.write(path.parent, document)
+    _say(f"wrote {written}")
     result = kaggle.push(path.parent, timeout_s)
     for key, refs in result.invalid_sources.items():
         _warn(f"caution: Kaggle did not attach these {key}: {', '.join(refs)}")
@@ -124,6 +147,39 @@ def commit(
         _say(f"follow it with `nbresume status {kernel}`; fetch it with `nbresume pull {kernel}`")
         return 0
     return _follow(kaggle, kernel, legs=legs, poll_s=poll_s, timeout_s=timeout_s, output=output)
+
+
+#: The owner a dry run shows when no Kaggle user name is configured.
+PLACEHOLDER_OWNER = "YOUR-KAGGLE-USERNAME"
+
+
+def _default_kernel(path: Path, dry_run: bool) -> str:
+    """``owner/slug`` when ``--kernel`` is not given: the configured Kaggle user name (read
+    locally, no credentials checked) and a slug made from the file name."""
+    owner = meta.configured_username()
+    if not owner:
+        if not dry_run:
+            raise UsageError(
+                "no Kaggle user name is configured, so the notebook has no owner",
+                fix="pass --kernel OWNER/SLUG, or set KAGGLE_USERNAME (or save kaggle.json)",
+            )
+        owner = PLACEHOLDER_OWNER
+    slug = meta.slugify(path.stem)
+    if len(slug) < meta.MIN_TITLE:
+        slug = f"{slug}-notebook".lstrip("-")
+    return f"{owner}/{slug}"
+
+
+def _publish_wheel(kaggle: Kaggle, dataset: str) -> None:
+    """Upload the running nbresume's wheel as a new version of the private ``dataset``."""
+    import tempfile
+
+    from nbresume.kaggle.wheel import DATASET_TITLE, build_wheel
+
+    with tempfile.TemporaryDirectory(prefix="nbresume-wheel-") as folder:
+        built = build_wheel(Path(folder))
+        url = kaggle.publish_dataset(Path(folder), dataset, DATASET_TITLE)
+    _say(f"uploaded {built.name} as the private dataset {dataset}: {url}")
 
 
 def chain(
@@ -188,7 +244,9 @@ def pull(ref: str, dst: str | None = None) -> int:
     slug = meta.parse_ref(ref)[1]
     dest = Path(dst) if dst else Path(f"{slug}-output")
     if dest.exists() and not dest.is_dir():
-        raise UsageError(f"{dest} exists and is not a folder", fix="choose another -o DIR")
+        raise UsageError(
+            f"{dest} exists and is not a folder", where=str(dest), fix="choose another -o DIR"
+        )
     pulled = pull_output(Kaggle(), ref, dest)
     _say(f"pulled {pulled.files} file(s), {format_bytes(pulled.size)}, into {dest}")
     for run in pulled.runs:

@@ -80,7 +80,7 @@ class Target:
 def lint(notebook: Notebook, target: Target, allow: frozenset[str] = frozenset()) -> list[Finding]:
     """Every finding, in notebook order; errors of rules in ``allow`` become warnings."""
     found: list[Finding] = []
-    if not notebook.kernel_name:
+    if not notebook.kernel_name and not notebook.script:
         found.append(
             Finding(
                 "kernelspec",
@@ -99,6 +99,7 @@ def lint(notebook: Notebook, target: Target, allow: frozenset[str] = frozenset()
         tree = cell.python()
         if tree is not None:
             names.learn(tree)
+            names.values.learn(cell, tree)
         found += _cell_findings(cell, tree, target, names)
     found += _first_cell(notebook, names)
     found += _no_output(notebook, names)
@@ -124,6 +125,7 @@ class _Names:
         self.functions: set[str] = set()
         self.init_aliases: set[str] = set()
         self.checkpointer: set[str] = {"Checkpointer"}
+        self.values = _Values()
 
     def learn(self, tree: ast.Module) -> None:
         for node in ast.walk(tree):
@@ -156,6 +158,46 @@ class _Names:
             or function in self.checkpointer
             or name.endswith(".checkpointer")
         )
+
+
+class _Values:
+    """The constants the notebook assigns to plain names at the top level of its cells
+    (``accelerator = "gpu"`` in a parameters cell), so that ``init(accelerator=accelerator)``
+    reads as what it asks for."""
+
+    def __init__(self) -> None:
+        # name -> [(cell number, line, value)], in notebook order
+        self._assigned: dict[str, list[tuple[int, int, object]]] = {}
+
+    def learn(self, cell: Cell, tree: ast.Module) -> None:
+        for statement in tree.body:
+            value: ast.expr | None = None
+            targets: list[ast.expr] = []
+            if isinstance(statement, ast.Assign):
+                value, targets = statement.value, list(statement.targets)
+            elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+                value, targets = statement.value, [statement.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    constant = value.value if isinstance(value, ast.Constant) else _UNKNOWN
+                    place = (cell.number, statement.lineno, constant)
+                    self._assigned.setdefault(target.id, []).append(place)
+
+    def resolve(self, node: ast.expr | None, cell: Cell, line: int) -> ast.expr | None:
+        """``node`` itself, or for a name the constant last assigned to it before ``line`` of
+        ``cell`` (``None`` when that is not a constant)."""
+        if not isinstance(node, ast.Name):
+            return node
+        value: object = _UNKNOWN
+        for number, lineno, assigned in self._assigned.get(node.id, []):
+            if (number, lineno) < (cell.number, line):
+                value = assigned
+        if value is _UNKNOWN:
+            return None
+        return ast.Constant(value)  # type: ignore[arg-type]  # only constants are stored
+
+
+_UNKNOWN = object()
 
 
 def _dotted(node: ast.AST) -> str:
@@ -247,7 +289,10 @@ def _cell_findings(
                 for call in _calls(tree)
                 if _argv_installs(call) and not _argv_has(call, "--no-index")
             ]
-        if installs:
+        # A cell that installs from a local folder with --no-index when one is attached (the
+        # wheel `nbresume commit` uploads) keeps `pip install` as the fallback for internet on.
+        offline_aware = any(_PIP_INSTALL.search(t) and "--no-index" in t for t in texts)
+        if installs and not offline_aware:
             found.append(
                 Finding(
                     "pip-offline",
@@ -316,7 +361,8 @@ def _init_arguments(call: ast.Call) -> dict[str, ast.expr]:
 
 def expectations(notebook: Notebook) -> tuple[str | None, bool | None]:
     """What ``nbresume.init`` asks for: the accelerator kind (``"gpu"``, ``"tpu"``,
-    ``"cpu"``) and internet, each ``None`` when not given as a constant."""
+    ``"cpu"``) and internet, each ``None`` when not given as a constant (written in the call,
+    or assigned to the name the call passes)."""
     names = _Names()
     accelerator: str | None = None
     internet: bool | None = None
@@ -325,11 +371,13 @@ def expectations(notebook: Notebook) -> tuple[str | None, bool | None]:
         if tree is None:
             continue
         names.learn(tree)
+        names.values.learn(cell, tree)
         for call in _calls(tree):
             if not names.is_init(call):
                 continue
             args = _init_arguments(call)
-            accel, net = args.get("accelerator"), args.get("internet")
+            accel = names.values.resolve(args.get("accelerator"), cell, call.lineno)
+            net = names.values.resolve(args.get("internet"), cell, call.lineno)
             if isinstance(accel, ast.Constant) and isinstance(accel.value, str):
                 accelerator = accel.value.split(":")[0].lower()
             if isinstance(net, ast.Constant) and isinstance(net.value, bool):
@@ -347,7 +395,7 @@ def _init_expectations(
         if not names.is_init(call):
             continue
         args = _init_arguments(call)
-        accel = args.get("accelerator")
+        accel = names.values.resolve(args.get("accelerator"), cell, call.lineno)
         if isinstance(accel, ast.Constant) and isinstance(accel.value, str):
             wanted = accel.value.split(":")[0].lower()
             if wanted in ("gpu", "tpu") and wanted != target.accelerator:
@@ -362,7 +410,7 @@ def _init_expectations(
                         cell,
                     )
                 )
-        internet = args.get("internet")
+        internet = names.values.resolve(args.get("internet"), cell, call.lineno)
         if (
             isinstance(internet, ast.Constant)
             and isinstance(internet.value, bool)

@@ -103,6 +103,22 @@ def parse_ref(ref: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+def configured_username() -> str:
+    """The Kaggle user name from ``KAGGLE_USERNAME`` or ``kaggle.json`` (in
+    ``KAGGLE_CONFIG_DIR``, else ``~/.kaggle``), ``""`` when there is none. Read as the kaggle
+    client reads it, without checking any credential."""
+    name = os.environ.get("KAGGLE_USERNAME", "").strip()
+    if name:
+        return name
+    folder = Path(os.environ.get("KAGGLE_CONFIG_DIR") or Path.home() / ".kaggle")
+    try:
+        document = json.loads((folder / "kaggle.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    value = document.get("username") if isinstance(document, dict) else None
+    return value.strip() if isinstance(value, str) else ""
+
+
 def slugify(title: str) -> str:
     """The slug Kaggle derives from a title (``"MNIST (leg 2)"`` -> ``"mnist-leg-2"``)."""
     ascii_text = unicodedata.normalize("NFKD", title).encode("ascii", "ignore").decode()
@@ -150,7 +166,7 @@ def build(
             "title": title,
             "code_file": code_file,
             "language": "python",
-            "kernel_type": "notebook",
+            "kernel_type": "script" if code_file.endswith(".py") else "notebook",
             "is_private": private,
             "enable_gpu": accelerator.kind == "gpu",
             "enable_tpu": accelerator.kind == "tpu",

@@ -48,7 +48,11 @@ class Cell:
 
     def describe(self) -> str:
         """``cell 4 (`model.fit(...)`)``: how messages name a cell."""
+        from nbresume.kaggle.secrets import kinds_in
+
         first = self.first_line
+        if kinds_in(first):  # a message never shows a credential
+            return f"cell {self.number}"
         if len(first) > 60:
             first = first[:57] + "..."
         return f"cell {self.number} (`{first}`)" if first else f"cell {self.number}"
@@ -78,6 +82,8 @@ class Notebook:
     metadata: dict[str, Any]
     cells: tuple[Cell, ...]
     document: dict[str, Any] = field(repr=False, default_factory=dict)
+    #: A Python script kernel (``.py``): one code cell, run with ``python``.
+    script: bool = False
 
     @property
     def code_cells(self) -> list[Cell]:
@@ -111,9 +117,12 @@ def _text(value: Any) -> str:
 
 
 def load(path: str | Path) -> Notebook:
-    """Read a notebook file (format 4). Raises :class:`~nbresume.errors.UsageError` naming the
-    file when it cannot be read or is not a notebook."""
+    """Read a notebook file (format 4), or a Python script (``.py``) as a notebook of one code
+    cell. Raises :class:`~nbresume.errors.UsageError` naming the file when it cannot be read or
+    is not a notebook."""
     where = str(path)
+    if Path(path).suffix == ".py":
+        return _load_script(Path(path))
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
@@ -162,3 +171,11 @@ def load(path: str | Path) -> Notebook:
 def _tags(metadata: object) -> tuple[str, ...]:
     tags = metadata.get("tags") if isinstance(metadata, dict) else None
     return tuple(t for t in tags if isinstance(t, str)) if isinstance(tags, list) else ()
+
+
+def _load_script(path: Path) -> Notebook:
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read the script: {exc}", where=str(path)) from None
+    return Notebook(path=path, metadata={}, cells=(Cell(1, "code", source),), script=True)

@@ -1,18 +1,34 @@
 """Credentials in a notebook, found before it is published.
 
-Every cell's source and every saved output (stream text, results, errors, HTML) is scanned for
-the shapes of well-known credentials. A finding names the cell, whether the secret is in the
-source or an output, and the kind of secret; it never holds or prints the secret itself, nor a
-part of it, so that the report can be shown, logged and pasted anywhere.
+What is scanned, for the shapes of well-known credentials:
 
-Binary outputs (images, PDFs) are skipped: base64 data matches short patterns by chance.
+- every cell's source, and what its Python builds from string literals: a token split into
+  two literals, joined with ``+``, ``"".join`` or an f-string, or assigned piece by piece to
+  names and joined later;
+- every saved output (stream text, results, errors, HTML, SVG), each cell's ``metadata``,
+  the attachments of markdown cells, and the notebook's metadata;
+- base64 text anywhere in those (a token or a ``kaggle.json`` encoded to hide it), decoded;
+- credential files next to the notebook (``kaggle.json``, ``.env``, ...).
+
+A finding names the cell (or the file), where in it, and the kind of secret; it never holds or
+prints the secret itself, nor a part of it, so that the report can be shown, logged and pasted
+anywhere.
+
+Binary outputs (PNG, JPEG, PDF, ...) are not scanned as text: base64 image data matches short
+patterns by chance. SVG is text and is scanned.
 """
 
 from __future__ import annotations
 
+import ast
+import base64
+import binascii
+import contextlib
+import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nbresume.kaggle.notebook import Cell, Notebook
@@ -29,9 +45,18 @@ class Kind:
     accept: Callable[[str], bool] = lambda value: True
 
 
-def _has_digit_and_letter(value: str) -> bool:
-    return any(c.isdigit() for c in value) and any(c.isalpha() for c in value)
+def _mixed_case(value: str) -> bool:
+    """Random tokens of 30 characters and more mix upper and lower case (one without either
+    is about one in a hundred million); words joined by hyphens or underscores
+    (``sk-learn-baseline-rf-500-trees``) do not."""
+    body = value.rsplit("-", maxsplit=1)[-1] if value.count("-") <= 2 else value
+    return any(c.islower() for c in body) and any(c.isupper() for c in body)
 
+
+#: A name that holds a credential: ``api_key``, ``KAGGLE_KEY``, ``token``, ``"key"``.
+_KEYLIKE = r"[\"']?\b[\w.-]*(?:key|token|secret|passw(?:or)?d|credential|auth)[\w.-]*[\"']?"
+#: ``= "value"``, ``: "value"``, ``"] = value``, ``=value`` (a .env line).
+_ASSIGNED = r"\s*\]?\s*[:=]\s*[\"']?"
 
 KINDS: tuple[Kind, ...] = (
     Kind(
@@ -44,7 +69,10 @@ KINDS: tuple[Kind, ...] = (
             re.compile(
                 r"(?s)username[\"']?\s*:.{0,100}?[\"']key[\"']\s*:\s*[\"'][0-9a-f]{32}[\"']"
             ),
-            re.compile(r"KAGGLE_KEY[\"']?\s*\]?\s*[:=]\s*[\"']?[0-9a-f]{32}\b"),
+            re.compile(r"KAGGLE_KEY[\"']?" + _ASSIGNED + r"[0-9a-f]{32}\b"),
+            # A Kaggle key's shape (32 hex) under a key-like name; a checksum under another
+            # name (md5 = "...") is not a secret.
+            re.compile(r"(?i)" + _KEYLIKE + _ASSIGNED + r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-z])"),
         ),
     ),
     Kind(
@@ -52,13 +80,17 @@ KINDS: tuple[Kind, ...] = (
         "a Hugging Face token (hf_...)",
         "huggingface.co → Settings → Access Tokens",
         (re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"),),
+        _mixed_case,
     ),
     Kind(
         "wandb",
         "a Weights & Biases API key",
         "wandb.ai → User settings → API keys",
         (
-            re.compile(r"(?i)wandb[^\n]{0,80}?(?<![0-9a-f])[0-9a-f]{40}(?![0-9a-f])"),
+            # 40 hex is also a git commit id: only with a W&B key's context.
+            re.compile(r"(?i)wandb\.login\s*\(\s*(?:key\s*=\s*)?[\"'][0-9a-f]{40}[\"']"),
+            re.compile(r"(?i)wandb\w*key\w*[\"']?" + _ASSIGNED + r"[0-9a-f]{40}(?![0-9a-f])"),
+            re.compile(r"(?is)api\.wandb\.ai.{0,80}?password\s+[0-9a-f]{40}(?![0-9a-f])"),
             re.compile(r"\bwandb_v1_[A-Za-z0-9_]{20,}"),
         ),
     ),
@@ -66,8 +98,8 @@ KINDS: tuple[Kind, ...] = (
         "openai",
         "an OpenAI API key (sk-...)",
         "platform.openai.com → API keys",
-        (re.compile(r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}"),),
-        _has_digit_and_letter,
+        (re.compile(r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{32,}"),),
+        _mixed_case,
     ),
     Kind(
         "aws-access-key",
@@ -81,7 +113,7 @@ KINDS: tuple[Kind, ...] = (
         "the AWS console → IAM → Security credentials",
         (
             re.compile(
-                r"(?i)aws\w*secret\w*[\"']?\s*\]?\s*[:=]\s*[\"']?[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])"
+                r"(?i)aws\w*secret\w*[\"']?" + _ASSIGNED + r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])"
             ),
         ),
     ),
@@ -108,63 +140,247 @@ KINDS: tuple[Kind, ...] = (
     ),
 )
 
-#: Output data that is binary (base64) and not scanned.
-_BINARY_PREFIXES = ("image/", "audio/", "video/", "application/pdf", "application/octet-stream")
+#: Output and attachment data that is binary (base64) and not scanned as text. SVG is text.
+_BINARY_PREFIXES = (
+    "image/png",
+    "image/jpeg",
+    "image/gif",
+    "image/webp",
+    "image/bmp",
+    "audio/",
+    "video/",
+    "application/pdf",
+    "application/octet-stream",
+)
+#: Files next to the notebook that hold credentials by convention.
+SIDE_FILES = ("kaggle.json", ".env", "*.env", ".env.*", "credentials*", "secrets*", ".netrc")
+_SIDE_FILE_MAX_BYTES = 1 << 20
+#: Text that may be base64: decoded and scanned too.
+_BASE64 = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
+_BASE64_DEPTH = 2
 
 
 @dataclass(frozen=True)
 class SecretFinding:
-    """A credential found: the cell (``None``: the notebook's metadata), source or output, and
+    """A credential found: where (``"source"``, ``"output"``, ``"cell metadata"``,
+    ``"attachment"``, ``"metadata"`` of the notebook or ``"file"``), the cell or the file, and
     its kind. Holds no part of the secret."""
 
     kind: Kind
-    where: str  # "source", "output" or "metadata"
+    where: str
     cell: Cell | None = None
+    file: str = ""
 
     def __str__(self) -> str:
         # The cell by number only: its first line may be the secret itself.
-        place = f"cell {self.cell.number} {self.where}" if self.cell else "notebook metadata"
+        if self.file:
+            place = f"file {self.file} next to the notebook"
+        elif self.cell is not None:
+            place = f"cell {self.cell.number} {self.where}"
+        else:
+            place = "notebook metadata"
         return f"{place}: {self.kind.label}"
 
 
+def _decoded(text: str, depth: int) -> Iterator[str]:
+    """Every base64 run in ``text`` that decodes to text, decoded (and those in it)."""
+    if depth <= 0:
+        return
+    for match in _BASE64.finditer(text):
+        run = match.group(0)
+        for alphabet in (None, b"-_"):
+            padded = run.rstrip("=") + "=" * (-len(run.rstrip("=")) % 4)
+            try:
+                raw = base64.b64decode(padded, altchars=alphabet, validate=True)
+                decoded = raw.decode("utf-8")
+            except (binascii.Error, ValueError):
+                continue
+            if decoded.isprintable() or all(c.isprintable() or c in "\r\n\t" for c in decoded):
+                yield decoded
+                yield from _decoded(decoded, depth - 1)
+                break
+
+
 def kinds_in(text: str) -> list[Kind]:
-    """The kinds of credential that ``text`` contains."""
+    """The kinds of credential that ``text`` contains, as written or base64-encoded."""
+    texts = [text, *_decoded(text, _BASE64_DEPTH)]
     found = []
     for kind in KINDS:
-        for pattern in kind.patterns:
-            if any(kind.accept(m.group(0)) for m in pattern.finditer(text)):
-                found.append(kind)
-                break
+        if any(
+            kind.accept(m.group(0))
+            for pattern in kind.patterns
+            for t in texts
+            for m in pattern.finditer(t)
+        ):
+            found.append(kind)
     return found
 
 
-def _output_texts(output: Any) -> Iterator[str]:
-    """Every piece of text in one saved output, binary payloads left out."""
-    if isinstance(output, str):
-        yield output
-    elif isinstance(output, list):
-        for item in output:
-            yield from _output_texts(item)
-    elif isinstance(output, dict):
-        for key, value in output.items():
-            if isinstance(key, str) and key.startswith(_BINARY_PREFIXES):
+def _texts(value: Any) -> Iterator[str]:
+    """Every piece of text in saved JSON (an output, metadata), binary payloads left out."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _texts(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                if key.startswith(_BINARY_PREFIXES):
+                    continue
+                yield key
+            yield from _texts(item)
+
+
+class _Strings:
+    """The strings a notebook's Python builds from literals: concatenations, joins, f-strings
+    and names assigned at the top level, followed from cell to cell."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+
+    def built(self, tree: ast.Module) -> list[str]:
+        out: list[str] = []
+        for statement in tree.body:
+            for node in ast.walk(statement):
+                if isinstance(node, (ast.BinOp, ast.JoinedStr, ast.Call)):
+                    value = self.fold(node)
+                    if value:
+                        out.append(value)
+            if isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.value:
+                value = self.fold(statement.value)
+                targets = (
+                    statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+                )
+                for target in targets:
+                    if isinstance(target, ast.Name) and value is not None:
+                        self.names[target.id] = value
+        # Every string of the cell run together: pieces kept in separate names or list items.
+        pieces = [
+            n.value
+            for n in sorted(
+                (n for n in ast.walk(tree) if isinstance(n, ast.Constant)),
+                key=lambda n: (n.lineno, n.col_offset),
+            )
+            if isinstance(n.value, str)
+        ]
+        out += ["\n".join(pieces), "".join(pieces)]
+        return out
+
+    def fold(self, node: ast.AST) -> str | None:
+        """The string ``node`` evaluates to, when it is built from literals only."""
+        if isinstance(node, ast.Constant):
+            return node.value if isinstance(node.value, str) else None
+        if isinstance(node, ast.Name):
+            return self.names.get(node.id)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = self.fold(node.left), self.fold(node.right)
+            return left + right if left is not None and right is not None else None
+        if isinstance(node, ast.JoinedStr):
+            parts = []
+            for value in node.values:
+                inner = value.value if isinstance(value, ast.FormattedValue) else value
+                text = self.fold(inner)
+                if text is None:
+                    return None
+                parts.append(text)
+            return "".join(parts)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "join"
+            and len(node.args) == 1
+            and isinstance(node.args[0], (ast.List, ast.Tuple))
+        ):
+            glue = self.fold(node.func.value)
+            items = [self.fold(e) for e in node.args[0].elts]
+            if glue is None or any(i is None for i in items):
+                return None
+            return glue.join(i for i in items if i is not None)
+        return None
+
+
+def _attachment_texts(cell_raw: dict[str, Any]) -> Iterator[str]:
+    """The text of a cell's attachments: names, and text payloads decoded from base64."""
+    attachments = cell_raw.get("attachments")
+    if not isinstance(attachments, dict):
+        return
+    for name, bundle in attachments.items():
+        yield str(name)
+        if not isinstance(bundle, dict):
+            continue
+        for mime, data in bundle.items():
+            if str(mime).startswith(_BINARY_PREFIXES):
                 continue
-            yield from _output_texts(value)
+            text = "".join(data) if isinstance(data, list) else str(data)
+            yield text
+            with contextlib.suppress(binascii.Error, ValueError):
+                yield base64.b64decode(text, validate=False).decode("utf-8")
 
 
-def scan(notebook: Notebook) -> list[SecretFinding]:
-    """Every (cell, source or output, kind) that holds a credential, in notebook order."""
+def scan(notebook: Notebook, folder: Path | None = None) -> list[SecretFinding]:
+    """Every place that holds a credential, in notebook order, then the credential files in
+    ``folder`` (the notebook's folder)."""
     found: list[SecretFinding] = []
+    strings = _Strings()
+    raw_cells = notebook.document.get("cells", [])
     for cell in notebook.cells:
-        for kind in kinds_in(cell.source):
-            found.append(SecretFinding(kind, "source", cell))
-        output_text = "\n".join(t for o in cell.outputs for t in _output_texts(o))
-        for kind in kinds_in(output_text):
-            found.append(SecretFinding(kind, "output", cell))
-    metadata_text = "\n".join(_output_texts(notebook.metadata))
-    for kind in kinds_in(metadata_text):
+        source = [cell.source]
+        tree = cell.python()
+        if tree is not None:
+            source += strings.built(tree)
+        places = {
+            "source": source,
+            "output": [t for o in cell.outputs for t in _texts(o)],
+        }
+        raw = raw_cells[cell.number - 1] if cell.number - 1 < len(raw_cells) else {}
+        raw = raw if isinstance(raw, dict) else {}
+        places["cell metadata"] = [_json(raw.get("metadata"))]
+        places["attachment"] = list(_attachment_texts(raw))
+        for where, texts in places.items():
+            for kind in kinds_in("\n".join(texts)):
+                found.append(SecretFinding(kind, where, cell))
+    for kind in kinds_in(_json(notebook.metadata)):
         found.append(SecretFinding(kind, "metadata"))
+    if folder is not None:
+        found += scan_files(folder)
     return found
+
+
+def scan_files(folder: Path) -> list[SecretFinding]:
+    """Credential files (:data:`SIDE_FILES`) in ``folder`` that hold a credential."""
+    found: list[SecretFinding] = []
+    seen: set[Path] = set()
+    for pattern in SIDE_FILES:
+        for path in sorted(folder.glob(pattern)):
+            if path in seen or not path.is_file():
+                continue
+            seen.add(path)
+            try:
+                if path.stat().st_size > _SIDE_FILE_MAX_BYTES:
+                    continue
+                text = path.read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                continue
+            if path.name == "kaggle.json":
+                text = _kaggle_json(text)
+            for kind in kinds_in(text):
+                found.append(SecretFinding(kind, "file", file=path.name))
+    return found
+
+
+def _json(value: Any) -> str:
+    """Metadata as JSON text: names and values side by side, as the patterns read them."""
+    return json.dumps(value, ensure_ascii=False) if value else ""
+
+
+def _kaggle_json(text: str) -> str:
+    """kaggle.json as the patterns read it, whatever its spacing."""
+    try:
+        document = json.loads(text)
+    except ValueError:
+        return text
+    return json.dumps(document) if isinstance(document, dict) else text
 
 
 def report(findings: list[SecretFinding]) -> str:
@@ -177,5 +393,10 @@ def report(findings: list[SecretFinding]) -> str:
         "treat them as leaked and revoke them; on Kaggle read secrets with "
         "kaggle_secrets.UserSecretsClient().get_secret(NAME) (Add-ons → Secrets)."
     )
+    if any(f.file for f in findings):
+        lines.append(
+            "  Move credential files out of the notebook's folder (kaggle.json belongs in "
+            "~/.kaggle/): whatever is in that folder is one command away from being uploaded."
+        )
     lines += [f"  revoke {r}" for r in revoke]
     return "\n".join(lines)

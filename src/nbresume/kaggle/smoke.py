@@ -13,8 +13,12 @@ Where the notebook runs is a temporary sandbox:
   gets a fresh ``working/`` and the first run's output attached under ``input/``, read-only,
   as a chained version would: checkpoints kept elsewhere than nbresume's folder are lost
   there, and the smoke run says so.
-- ``colab``: Drive mounted through ``google.colab`` (only nbresume's test stand-in can do
-  that off Colab); the second run mounts the same Drive again.
+- ``colab``: laid out like a Colab VM: a fresh working folder (``/content``) for each run,
+  and one Google Drive folder (``MyDrive``) kept from the first run to the second, as Drive is
+  kept when a runtime is replaced. ``nbresume.init`` finds Drive already mounted there
+  (``NBRESUME_DRIVE_MOUNT``), so no ``google.colab`` is needed; checkpoints written anywhere
+  else are gone in the second run, as on a new runtime. A notebook that imports
+  ``google.colab`` itself (``drive.mount(...)``) runs only where that module exists.
 - ``local``: a temporary ``NBRESUME_HOME`` shared by both runs.
 
 The preflight only warns (``NBRESUME_STRICT=0``): the smoke run checks the notebook, not this
@@ -57,6 +61,7 @@ _SANDBOX_KNOBS = (
     knobs.SMOKE_STEPS.name,
     "KAGGLE_KERNEL_RUN_TYPE",
     "COLAB_RELEASE_TAG",
+    "NO_GCE_CHECK",
 )
 _PAPERMILL_TAG = "papermill-error-cell-tag"
 _GPU_WORDS = ("cuda", "nvidia driver", "no kernel image", "xla", "tpu")
@@ -158,16 +163,17 @@ class _Sandbox:
             )
             return kaggle / "working", env
         if self.target == "colab":
-            content = self.root / "content"
+            # A new runtime each run: a fresh /content, the same Drive.
+            content = self.root / f"content-{number}"
             content.mkdir(parents=True, exist_ok=True)
+            (self.root / "drive" / "MyDrive").mkdir(parents=True, exist_ok=True)
             env.update(
                 {
                     knobs.PLATFORM.name: "colab",
-                    knobs.DRIVE_MOUNT.name: str(content / "drive"),
-                    # The stand-in keeps its simulated Drive in this folder; keep the caller's.
-                    "COLAB_STANDIN_ROOT": os.environ.get(
-                        "COLAB_STANDIN_ROOT", str(self.root / "drive-cloud")
-                    ),
+                    knobs.DRIVE_MOUNT.name: str(self.root / "drive"),
+                    # This Drive is a local folder: there is no Drive API to ask, and no
+                    # Google metadata server for google-auth to look for.
+                    "NO_GCE_CHECK": "true",
                 }
             )
             return content, env
@@ -180,7 +186,7 @@ class _Sandbox:
         if self.target == "kaggle":
             return [self.root / "kaggle" / "working"]
         if self.target == "colab":
-            return [self.root / "content"]
+            return [self.root / "drive"]
         return [self.root / "home", self.root / "cwd"]
 
     def cleanup(self) -> None:
@@ -214,11 +220,11 @@ def _environment(changes: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _colab_importable() -> tuple[bool, bool, str]:
-    """Whether the kernel's Python can import google.colab, whether that is nbresume's test
-    stand-in, and the import error otherwise. Tried in a process of its own, as the kernel
-    will (importing it here could mount or start things in this process)."""
-    probe = "import google.colab as c, sys; sys.stdout.write(str(getattr(c, 'STANDIN', False)))"
+def _colab_importable() -> tuple[bool, str]:
+    """Whether the kernel's Python can import google.colab, and the import error otherwise.
+    Tried in a process of its own, as the kernel will (importing it here could mount or start
+    things in this process)."""
+    probe = "import google.colab"
     try:
         done = subprocess.run(
             [sys.executable, "-c", probe],
@@ -228,11 +234,11 @@ def _colab_importable() -> tuple[bool, bool, str]:
             timeout=60,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, False, str(exc)
+        return False, str(exc)
     if done.returncode != 0:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
-        return False, False, lines[-1] if lines else f"exit status {done.returncode}"
-    return True, done.stdout.strip() == "True", ""
+        return False, lines[-1] if lines else f"exit status {done.returncode}"
+    return True, ""
 
 
 def choose_target(notebook: nbfile.Notebook, target: str) -> str:
@@ -284,20 +290,16 @@ def smoke(
                 "checkpoints in /kaggle/working)"
             )
             return report
-        importable, standin, why = _colab_importable()
+        importable, why = _colab_importable()
         if not importable:
             report.problems.append(
                 f"the notebook imports google.colab, and google.colab cannot be imported here "
-                f"({why}): it exists only on Colab. Run the smoke test on Colab, or install "
-                "nbresume's test stand-in (tests/stand-ins/google-colab in nbresume's source) "
-                "for a dry run elsewhere"
+                f"({why}): it exists only on Colab. Let nbresume.init mount Drive instead of "
+                "calling drive.mount yourself (the smoke run then maps Drive to a temporary "
+                "folder), or run the smoke test on Colab"
             )
             return report
-        if standin:
-            report.notes.append(
-                "google.colab here is nbresume's test stand-in (a simulated Drive), not Colab"
-            )
-    kernel = _kernel_name(notebook, report.notes)
+    kernel = "" if notebook.script else _kernel_name(notebook, report.notes)
     root = Path(tempfile.mkdtemp(prefix="nbresume-smoke-"))
     sandbox = _Sandbox(chosen, root, slug)
     try:
@@ -335,6 +337,9 @@ def _run_once(
     output = sandbox.root / f"run{number}-{notebook.path.name}"
     started = time.monotonic()
     failure = None
+    if notebook.script:
+        failure = _run_script(notebook, cwd, env, cell_timeout_s, output)
+        return _result(sandbox, number, failure, output, started)
     with _environment(env):
         try:
             papermill.execute_notebook(
@@ -347,6 +352,12 @@ def _run_once(
             )
         except Exception as exc:  # PapermillExecutionError, a dead kernel, a timeout, ...
             failure = _failure(output, exc)
+    return _result(sandbox, number, failure, output, started)
+
+
+def _result(
+    sandbox: _Sandbox, number: int, failure: CellFailure | None, output: Path, started: float
+) -> RunResult:
     seconds = time.monotonic() - started
     checkpoints: dict[str, tuple[int | None, bool]] = {}
     for base in sandbox.durable_roots():
@@ -354,6 +365,31 @@ def _run_once(
             for run in check_runs(base):
                 checkpoints[str(run.folder.relative_to(base))] = (run.step, run.done)
     return RunResult(number, failure, checkpoints, output, seconds)
+
+
+def _run_script(
+    notebook: nbfile.Notebook, cwd: Path, env: dict[str, str], timeout_s: int, log: Path
+) -> CellFailure | None:
+    """Run a script kernel as Kaggle does (``python script.py`` in the working folder); its
+    output goes to ``log``. The whole script counts as one cell."""
+    script = notebook.path.resolve()
+    with _environment(env), open(log, "wb") as out:
+        try:
+            done = subprocess.run(
+                [sys.executable, str(script)],
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return CellFailure(0, "", f"the script ran longer than {timeout_s} s")
+    if done.returncode == 0:
+        return None
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    error = lines[-1] if lines else f"exit status {done.returncode}"
+    return CellFailure(0, "", f"{script.name} failed: {error}", _hint(error))
 
 
 def _failure(output: Path, exc: Exception) -> CellFailure:

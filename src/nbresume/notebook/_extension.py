@@ -155,6 +155,9 @@ def load(shell: Any) -> None:
         report = preflight()
         st.tracker.set_report(report)
     if getattr(shell, "kernel", None) is not None:
+        from nbresume.notebook import setup_panel
+
+        setup_panel.show(report, run)
         st.display_panel(again=False)
     else:
         print("\n".join(report.summary_lines()))

@@ -76,8 +76,17 @@ def _cli(argv: list[str]) -> int:
 
 
 def doctor(args: list[str]) -> None:
-    """The report of ``nbresume doctor``, from the same code."""
-    _cli(["doctor", *args])
+    """The report of ``nbresume doctor``, from the same code; a wrong option fails the cell."""
+    _cli_or_fail(["doctor", *args])
+
+
+def _cli_or_fail(argv: list[str]) -> int:
+    """Run the command line; a usage error (exit status 2, already printed) fails the cell,
+    so that "Run all" stops there instead of going on with a check that never ran."""
+    code = _cli(argv)
+    if code == 2:
+        raise UsageError(f"%nbresume {' '.join(argv)}: see the error above; %nbresume help")
+    return code
 
 
 def _state() -> Any:
@@ -92,7 +101,23 @@ def status(args: list[str]) -> None:
         raise UsageError("%nbresume status takes no arguments")
     state = _state()
     print(state.tracker_status_text())
+    ckpt = state.tracker.checkpointer
+    if ckpt is not None and not state.tracker.running:
+        print(_safe_to_close(ckpt))
     state.display_panel()
+
+
+def _safe_to_close(ckpt: Any) -> str:
+    """Whether the storage itself holds the newest checkpoint now (asked once, no waiting)."""
+    from nbresume.checkpoint.confirm import confirm
+
+    try:
+        return f"safe to close: {confirm(ckpt.store, timeout=0)}"
+    except NbresumeError as exc:
+        return (
+            f"not yet safe to close: {exc.message}; ckpt.wait(durable=True) waits until the "
+            "storage confirms it"
+        )
 
 
 def verify(args: list[str]) -> None:
@@ -109,7 +134,7 @@ def verify(args: list[str]) -> None:
         folder = _run_folder("%nbresume verify")
     if ckpt is not None and str(ckpt.store.location) == folder:
         ckpt.wait()  # a save in flight is part of what the user asks about
-    _cli(["verify", folder])
+    _cli_or_fail(["verify", folder])
 
 
 def save(args: list[str]) -> None:
@@ -161,7 +186,8 @@ def run_once(args: list[str], cell: str) -> Any:
     except NbresumeError as exc:
         raise UsageError(str(exc)) from None
     root = _run_folder("%%nbresume once")
-    record = None if force else markers.read_marker(root, name)
+    fs = _marker_fs(root)
+    record = None if force else markers.read_marker(root, name, fs=fs)
     if record is not None:
         print(f"nbresume: skipped {name!r}: {_completed(record)} (--force runs it again)")
         return None
@@ -172,8 +198,31 @@ def run_once(args: list[str], cell: str) -> Any:
         "completed": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(seconds, 3),
     }
-    markers.write_marker(root, name, record)
+    try:
+        markers.write_marker(root, name, record, fs=fs)
+    except NbresumeError as exc:  # the cell ran; only its record is missing
+        print(f"nbresume: {exc}", file=sys.stderr)
     return result
+
+
+def _marker_fs(root: str) -> Any:
+    """The fsspec file system of a URL run folder, with the run's ``storage_options``: the one
+    of the shown Checkpointer when it saves there, else one made from the run's options."""
+    if "://" not in root or root.startswith("file://"):
+        return None
+    ckpt = _state().tracker.checkpointer
+    backend: Any = getattr(getattr(ckpt, "store", None), "backend", None)
+    fs = getattr(backend, "fs", None)
+    if fs is not None and str(backend.location).rstrip("/") == root.rstrip("/"):
+        return fs
+    from nbresume.run import current_run
+
+    options = getattr(current_run(), "storage_options", None)
+    if options:
+        import fsspec
+
+        return fsspec.core.url_to_fs(root, **options)[0]
+    return None
 
 
 def _completed(record: dict[str, Any]) -> str:

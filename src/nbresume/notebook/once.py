@@ -6,22 +6,31 @@ and rename; on an object store as one object (a single PUT is all or nothing). A
 does not parse counts as absent, so a torn write can only make a cell run again, never skip it.
 The folder's name is not a checkpoint's, so checkpoint listing, retention and ``restore()``
 pass it over.
+
+On Google Drive's mount a file written lands in a local cache and uploads later: a marker is
+kept only once Drive itself reports it with its size and MD5, so that after a lost VM a cell is
+never skipped whose completion never reached Drive. On an fsspec URL the marker goes through
+the file system given (the one of the run's Checkpointer, with its ``storage_options``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
-from nbresume.errors import UsageError
+from nbresume.errors import NbresumeError, StorageError, UsageError
 
 FOLDER = "once"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+#: Seconds a marker on Google Drive may take to be confirmed by Drive before it is given up.
+DRIVE_CONFIRM_S = 300.0
 
 
 def check_name(name: str) -> str:
@@ -50,14 +59,24 @@ def marker_location(root: str, name: str) -> str:
     return str(_local(root) / FOLDER / f"{name}.json")
 
 
-def read_marker(root: str, name: str) -> dict[str, Any] | None:
-    """The record of ``name``'s completion in the run folder ``root``, or ``None``."""
+def _url_fs(location: str, fs: Any) -> tuple[Any, str]:
+    """The fsspec file system and the path of ``location`` (``fs`` when one is given)."""
+    if fs is not None:
+        return fs, fs._strip_protocol(location)
+    import fsspec
+
+    made, path = fsspec.core.url_to_fs(location)
+    return made, str(path)
+
+
+def read_marker(root: str, name: str, *, fs: Any = None) -> dict[str, Any] | None:
+    """The record of ``name``'s completion in the run folder ``root``, or ``None``.
+
+    ``fs``: the fsspec file system of a URL ``root`` (with its credentials and options)."""
     location = marker_location(root, name)
     try:
         if _is_url(root):
-            import fsspec
-
-            fs, path = fsspec.core.url_to_fs(location)
+            fs, path = _url_fs(location, fs)
             data = fs.cat_file(path)
         else:
             data = Path(location).read_bytes()
@@ -72,17 +91,68 @@ def read_marker(root: str, name: str) -> dict[str, Any] | None:
     return record
 
 
-def write_marker(root: str, name: str, record: dict[str, Any]) -> str:
-    """Record ``name``'s completion (``record`` plus the name) atomically; return where."""
+def write_marker(
+    root: str,
+    name: str,
+    record: dict[str, Any],
+    *,
+    fs: Any = None,
+    confirm_s: float = DRIVE_CONFIRM_S,
+) -> str:
+    """Record ``name``'s completion (``record`` plus the name) atomically; return where.
+
+    On Google Drive's mount, wait (at most ``confirm_s`` seconds) until Drive reports the
+    marker; when it does not, the marker is removed again and a StorageError says so: the cell
+    will run again rather than be skipped on a VM that never saw it uploaded."""
     location = marker_location(root, name)
     data = json.dumps({**record, "name": name}, indent=1, sort_keys=True).encode()
     if _is_url(root):
-        import fsspec
-
-        fs, path = fsspec.core.url_to_fs(location)
+        fs, path = _url_fs(location, fs)
         fs.pipe_file(path, data)
         return location
-    target = Path(location)
+    _write_local(Path(location), data)
+    if _on_drive(root):
+        _confirm_on_drive(root, name, data, confirm_s)
+    return location
+
+
+def _on_drive(root: str) -> bool:
+    from nbresume.checkpoint.backends.registry import backend_kind
+
+    return backend_kind(root) == "drive"
+
+
+def _confirm_on_drive(root: str, name: str, data: bytes, timeout: float) -> None:
+    """Wait until Drive reports the marker with its size and MD5; else remove it and raise."""
+    from nbresume.checkpoint.backends.drive import DriveStore
+
+    expected = {f"{name}.json": (len(data), hashlib.md5(data, usedforsecurity=False).hexdigest())}
+    started = time.monotonic()
+    try:
+        store = DriveStore.from_location(str(_local(root)))
+        while True:
+            state = store.drive_state(FOLDER, expected)
+            if state.saved:
+                return
+            reported = str(state)
+            if time.monotonic() - started + store.durability_poll_s > timeout:
+                break
+            time.sleep(store.durability_poll_s)
+    except NbresumeError as exc:  # Drive cannot be asked at all: not confirmed either
+        reported = str(exc)
+    with contextlib.suppress(FileNotFoundError):
+        Path(marker_location(root, name)).unlink()
+    raise StorageError(
+        f"Google Drive did not confirm that the cell completed within {timeout:.0f} s "
+        f"({reported}): it is not recorded, and will run again",
+        where=marker_location(root, name),
+        fix="keep the runtime connected while Drive uploads; the cell's results may not have "
+        "reached Drive either",
+    )
+
+
+def _write_local(target: Path, data: bytes) -> None:
+    """``data`` into ``target`` atomically: a temporary file, fsync, rename, fsync the folder."""
     target.parent.mkdir(parents=True, exist_ok=True)
     temp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     try:
@@ -104,4 +174,3 @@ def write_marker(root: str, name: str, record: dict[str, Any]) -> str:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    return location

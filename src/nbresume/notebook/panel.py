@@ -12,8 +12,10 @@ panel pumps widget messages at step boundaries (see :mod:`nbresume.notebook._pum
 
 from __future__ import annotations
 
+import contextlib
 import html
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -33,9 +35,16 @@ from nbresume.notebook.progress import (
 
 if TYPE_CHECKING:
     from nbresume.notebook._pump import CommPump
+    from nbresume.notebook.setup_panel import ClockLine
 
 #: Seconds between two redraws while steps go by.
 PANEL_INTERVAL_S = 0.25
+#: Seconds the danger clocks are reused before they are worked out again.
+CLOCKS_TTL_S = 5.0
+#: The metric plotted when ``save(metric=...)`` gives several: the first of these found.
+PREFERRED_METRICS = ("loss", "train_loss", "val_loss", "eval_loss")
+#: How many points the metric plot keeps (the newest).
+PLOT_POINTS = 200
 
 _STATUS_COLOR = {"ok": "inherit", "warn": "#b45309", "fail": "#b91c1c"}
 _STATE_COLOR = {SAVED: "#15803d", SYNCING: "#b45309", FAILED: "#b91c1c", FOUND: "inherit"}
@@ -74,6 +83,8 @@ class Panel:
         self.checkpoint = widgets.HTML()
         self.at_risk = widgets.HTML()
         self.session = widgets.HTML()
+        self.clocks = widgets.HTML()
+        self.plot = widgets.HTML()
         self.save_button = widgets.Button(
             description="Save now",
             icon="save",
@@ -94,6 +105,8 @@ class Panel:
                 self.checkpoint,
                 self.at_risk,
                 self.session,
+                self.clocks,
+                self.plot,
                 widgets.HBox([self.save_button, self.stop_button]),
                 self.message,
             ],
@@ -101,7 +114,8 @@ class Panel:
                 border="1px solid #d4d4d8", padding="4px 10px", margin="4px 0", width="auto"
             ),
         )
-        for name in ("title", "facts", "bar", "progress", "checkpoint", "session", "message"):
+        names = ("title", "facts", "bar", "progress", "checkpoint", "session", "clocks", "plot")
+        for name in (*names, "message"):
             getattr(self, name).add_class(f"nbresume-{name}")
         self.at_risk.add_class("nbresume-at-risk")
         self.widget.add_class("nbresume-panel")
@@ -110,6 +124,11 @@ class Panel:
         self.save_button.on_click(self._on_save)
         self.stop_button.on_click(self._on_stop)
         self._lock = threading.Lock()
+        #: {step: metrics} of the checkpoints of the folder shown, for the plot.
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._metrics_folder = ""
+        self._metrics_lock = threading.Lock()  # the writer thread adds, render reads
+        self._clocks: tuple[float, list[ClockLine]] | None = None
         self._throttle = Throttle(interval, self.render)
         self.renders = 0
         self.render()
@@ -117,6 +136,8 @@ class Panel:
     # -- tracker view ----------------------------------------------------------------------
 
     def notify(self, event: ev.Event | None) -> None:
+        if event is not None and event.kind == ev.VERIFIED:
+            self._read_metrics(event.step, str(event.data.get("location") or ""))
         if event is not None and event.kind == ev.STEP:
             # The first step of a loop enables "Stop and save" at once; later ones can wait.
             self._throttle.poke(urgent=self.stop_button.disabled)
@@ -144,10 +165,12 @@ class Panel:
                 _set(self.bar, 1, "max")
                 _set(self.bar, 1 if snap.finished else 0)
             _set(self.bar, _bar_style(snap), "bar_style")
-            _set(self.progress, self._progress_html(snap))
+            _set(self.progress, self._progress_html(snap) + self._data_wait_html())
             _set(self.checkpoint, self._checkpoint_html(snap))
             _set(self.at_risk, self._at_risk_html(snap))
             _set(self.session, self._session_html(snap))
+            _set(self.clocks, self._clocks_html())
+            _set(self.plot, self._plot_html())
             message = f'<span style="color:#52525b">{_esc(snap.message)}</span>'
             _set(self.message, message if snap.message else "")
             _set(self.stop_button, not snap.running, "disabled")
@@ -188,6 +211,22 @@ class Panel:
             f'<span data-step="{step}" data-running="{running}">{_esc(snap.progress_text())}</span>'
         )
 
+    def _data_wait_html(self) -> str:
+        """The share of step time spent waiting for batches; the advice when input-bound."""
+        from nbresume.checkpoint.health import MIN_BATCHES, data_wait_of
+
+        ckpt = self.tracker.checkpointer
+        wait = None if ckpt is None else data_wait_of(ckpt)
+        if wait is None or wait.batches < MIN_BATCHES:
+            return ""
+        attrs = f'data-share="{wait.share:.3f}" data-input-bound="{str(wait.input_bound).lower()}"'
+        if not wait.input_bound:
+            return f" · <span {attrs}>{_esc(wait.short())}</span>"
+        return (
+            f'<br><span {attrs} style="color:{_STATE_COLOR[FAILED]}"><b>{_esc(wait.short())}'
+            f"</b>: {_esc(wait.advice())}</span>"
+        )
+
     @staticmethod
     def _checkpoint_html(snap: Snapshot) -> str:
         last = snap.last
@@ -221,6 +260,7 @@ class Panel:
                 ("step", risk.step),
                 ("steps", risk.steps),
                 ("seconds", None if risk.seconds is None else int(risk.seconds)),
+                ("age", None if risk.at is None else int(max(0.0, snap.now - risk.at))),
                 ("warning", "true" if risk.warning else "false"),
             )
         )
@@ -235,6 +275,85 @@ class Panel:
     @staticmethod
     def _session_html(snap: Snapshot) -> str:
         return f"<span>session: {_esc(snap.session_text())}</span>"
+
+    def _clocks_html(self) -> str:
+        """The platform's danger clocks on one line: those on a known timer, but the session cap
+        (the row above shows it)."""
+        from nbresume.notebook.setup_panel import NO_TIMER, clocks_text
+
+        lines = self._clock_lines()
+        text = clocks_text(lines, brief=True)
+        if not text:
+            return ""
+        names = ",".join(c.name for c in lines if not c.cap and c.text != NO_TIMER)
+        return (
+            f'<span data-clocks="{_esc(names)}" style="color:#52525b">danger clocks: '
+            f"{_esc(text)}</span>"
+        )
+
+    def _clock_lines(self) -> list[ClockLine]:
+        from nbresume.notebook.setup_panel import clock_lines
+        from nbresume.platforms import by_name
+
+        now = time.monotonic()
+        if self._clocks is not None and now - self._clocks[0] < CLOCKS_TTL_S:
+            return self._clocks[1]
+        tracker = self.tracker
+        lines: list[ClockLine] = []
+        with contextlib.suppress(Exception):  # a display must never take training down
+            if tracker.run is not None:
+                lines = clock_lines(tracker.run.platform)
+            elif tracker.report is not None:
+                lines = clock_lines(by_name(tracker.report.platform))
+        self._clocks = (now, lines)
+        return lines
+
+    # -- the metric plot -------------------------------------------------------------------
+
+    def _read_metrics(self, step: int, location: str) -> None:
+        """The metrics ``save(metric=...)`` wrote into the manifest of a verified checkpoint."""
+        import posixpath
+
+        ckpt = self.tracker.checkpointer
+        if ckpt is None:
+            return
+        self._load_history(ckpt.store)
+        try:
+            name = posixpath.basename(location.rstrip("/")) or f"{step:012d}"
+            metrics = dict(ckpt.store.read_manifest(name, step).metrics)
+        except Exception:  # the plot is a nicety: a checkpoint retention removed, say
+            return
+        with self._metrics_lock:
+            if metrics:
+                self._metrics[step] = metrics
+            else:  # saved again without one (the final save of a loop at the same step)
+                self._metrics.pop(step, None)
+
+    def _load_history(self, store: Any) -> None:
+        """The metrics of the checkpoints already in the folder, once per folder."""
+        folder = str(store.location)
+        if folder == self._metrics_folder:
+            return
+        history: dict[int, dict[str, float]] = {}
+        with contextlib.suppress(Exception):
+            history = {i.step: dict(i.metrics) for i in store.list() if i.metrics}
+        with self._metrics_lock:
+            self._metrics_folder = folder
+            self._metrics = history
+
+    def _plot_html(self) -> str:
+        """A small line plot of the loss (or the metric given to ``save``) over the steps of
+        the verified checkpoints."""
+        ckpt = self.tracker.checkpointer
+        if ckpt is not None:
+            self._load_history(ckpt.store)
+        with self._metrics_lock:
+            points = dict(sorted(self._metrics.items())[-PLOT_POINTS:])
+        if not points:
+            return ""
+        name = _plot_metric(points)
+        series = [(step, m[name]) for step, m in points.items() if name in m]
+        return _svg_plot(name, series)
 
     # -- buttons ---------------------------------------------------------------------------
 
@@ -277,3 +396,45 @@ def _bar_style(snap: Snapshot) -> str:
     if snap.stopped:
         return "warning"
     return "info"
+
+
+def _plot_metric(points: dict[int, dict[str, float]]) -> str:
+    """The metric to plot: ``loss`` (or a close name) when given, else the first name."""
+    names = {name for metrics in points.values() for name in metrics}
+    return next((n for n in PREFERRED_METRICS if n in names), min(names))
+
+
+def _svg_plot(name: str, series: list[tuple[int, float]]) -> str:
+    """An inline SVG polyline of ``series`` with the last value, the minimum and the count."""
+    width, height, pad = 240, 48, 3
+    steps = [step for step, _ in series]
+    values = [value for _, value in series]
+    low, high = min(values), max(values)
+    first, last_step = steps[0], steps[-1]
+
+    def x(step: int) -> float:
+        return pad + (width - 2 * pad) * (
+            (step - first) / (last_step - first) if last_step > first else 0.5
+        )
+
+    def y(value: float) -> float:
+        return pad + (height - 2 * pad) * ((high - value) / (high - low) if high > low else 0.5)
+
+    coords = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in series)
+    shape = (
+        f'<polyline points="{coords}" fill="none" stroke="#2563eb" stroke-width="1.5"/>'
+        if len(series) > 1
+        else f'<circle cx="{x(first):.1f}" cy="{y(values[0]):.1f}" r="2.5" fill="#2563eb"/>'
+    )
+    last = values[-1]
+    caption = (
+        f"{_esc(name)} {last:.4g} at step {last_step:,} · min {low:.4g} · "
+        f"{len(series)} checkpoint{'' if len(series) == 1 else 's'}"
+    )
+    return (
+        f'<div data-metric="{_esc(name)}" data-points="{len(series)}" data-last="{last!r}" '
+        'style="display:flex;align-items:center;gap:10px">'
+        f'<svg width="{width}" height="{height}" style="background:#fafafa;'
+        f'border:1px solid #e4e4e7">{shape}</svg>'
+        f'<span style="color:#52525b">{caption}</span></div>'
+    )

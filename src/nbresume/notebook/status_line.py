@@ -11,13 +11,15 @@ checkpoint), and the live line carries the warning when that is more than twice 
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import threading
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint.health import DataWaitShare
 from nbresume.notebook.progress import (
     FAILED,
     SAVED,
@@ -59,6 +61,7 @@ class StatusLine:
         self._width = 0  # length of the live line now on screen
         self._throttle = Throttle(interval, self._progress)
         self._said: dict[int, str] = {}  # the state last logged for each step
+        self._input_bound_said = False  # the advice for an input-bound run is given once
 
     @property
     def stream(self) -> TextIO:
@@ -103,7 +106,28 @@ class StatusLine:
             parts.append(snap.session_text())
         if snap.free_bytes is not None:
             parts.append(f"{format_bytes(snap.free_bytes)} free")
+        wait = self._data_wait()
+        if wait is not None and wait.input_bound:
+            parts.insert(1, wait.short())  # right after the progress: it explains a slow rate
+        elif wait is not None:
+            parts.append(wait.short())
         return " · ".join(parts)
+
+    def _data_wait(self) -> DataWaitShare | None:
+        """The share of step time the loop waits for batches, once enough were measured."""
+        from nbresume.checkpoint.health import MIN_BATCHES, data_wait_of
+
+        ckpt = self.tracker.checkpointer
+        wait = None if ckpt is None else data_wait_of(ckpt)
+        return wait if wait is not None and wait.batches >= MIN_BATCHES else None
+
+    def _advise_input_bound(self, wait: DataWaitShare | None) -> None:
+        if wait is None or not wait.input_bound or self._input_bound_said:
+            return
+        self._input_bound_said = True
+        if self.tty:
+            self._newline()
+        self._log(f"input-bound: {wait.advice()}")
 
     def _draw(self, text: str) -> None:
         width = shutil.get_terminal_size((100, 24)).columns - 1
@@ -125,11 +149,14 @@ class StatusLine:
 
     def _progress(self) -> None:
         snap = self.tracker.snapshot()
+        wait = self._data_wait()
         if self.tty:
             self._draw(self.line(snap))
         elif snap.running:
             since = snap.at_risk.since_text()
-            self._log(f"{snap.progress_text()} · {since}" if since else snap.progress_text())
+            text = f"{snap.progress_text()} · {since}" if since else snap.progress_text()
+            self._log(f"{text} · {wait.short()}" if wait is not None else text)
+        self._advise_input_bound(wait)
 
     def _checkpoint(self, step: int) -> None:
         snap = self.tracker.snapshot()
@@ -175,6 +202,27 @@ def attach(tracker: Tracker, stream: TextIO | None = None) -> StatusLine:
     line = StatusLine(tracker, stream)
     tracker.add_view(line)
     return line
+
+
+def follow(checkpointer: Any) -> None:
+    """The default progress of a Checkpointer that nothing else shows (a plain script without
+    ``nbresume.init``): the status line on stderr, live on a terminal, log lines otherwise.
+
+    Not after ``nbresume.init`` (which shows the run itself, or nothing with ``quiet=True``),
+    not in IPython (a notebook shows the panel once ``%load_ext nbresume`` ran), and only in
+    the process that leads a ``torch.distributed`` job (``RANK`` 0).
+    """
+    from nbresume.notebook import _ipython_shell
+    from nbresume.notebook.progress import tracker
+    from nbresume.run import current_run
+
+    if current_run() is not None or _ipython_shell() is not None:
+        return
+    if os.environ.get("RANK", "0") != "0":
+        return
+    shown = tracker()  # watches every Checkpointer made from now on as well
+    attach(shown)
+    shown.attach(checkpointer)
 
 
 def detach(tracker: Tracker) -> None:

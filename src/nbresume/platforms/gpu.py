@@ -23,6 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from nbresume.platforms.nvidia_smi import (
+    GpuQuery,
+    GpuStatus,
+    Verdict,
+    health_verdict,
+    memory_verdict,
+)
+
 NVIDIA_SMI_TIMEOUT_S = 1.0
 _QUERY = ("name", "driver_version", "compute_cap")
 
@@ -278,3 +286,36 @@ def oldest_driver(cuda_major: int) -> str | None:
         if major == cuda_major:
             return ".".join(str(x) for x in oldest)
     return None
+
+
+def own_gpu_memory(statuses: list[GpuStatus]) -> dict[int, int]:
+    """MiB this process's torch holds on each GPU (by nvidia-smi's index), where torch is
+    imported and CUDA started; nvidia-smi in a container does not list this process."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    by_uuid = {s.uuid.lower().removeprefix("gpu-"): s.index for s in statuses if s.uuid}
+    held: dict[int, int] = {}
+    for device in range(torch.cuda.device_count()):
+        try:
+            uuid = str(torch.cuda.get_device_properties(device).uuid).lower()
+            reserved = int(torch.cuda.memory_reserved(device)) // 2**20
+        except Exception:  # noqa: S112 - an old torch without uuid, a device in a bad state
+            continue
+        index = by_uuid.get(uuid.removeprefix("gpu-"))
+        if index is not None:
+            held[index] = reserved
+    return held
+
+
+def gpu_verdicts(result: GpuQuery, visible_gpus: list[Gpu]) -> list[tuple[str, Verdict]]:
+    """The preflight's ``gpu memory`` and ``gpu health`` lines for the GPUs this process may
+    use (all of them when the query could not match them up)."""
+    if not result.gpus:
+        seen = f"nvidia-smi -q -x: {result.status}" if result.status != "ok" else "no GPU listed"
+        return [("gpu memory", Verdict("ok", f"not read ({seen})"))]
+    indices = {g.index for g in visible_gpus}
+    statuses = [s for s in result.gpus if s.index in indices] or result.gpus
+    memory = memory_verdict(statuses, own_pid=os.getpid(), own_mib=own_gpu_memory(statuses))
+    health = health_verdict(statuses, result.xids, result.xid_status)
+    return [("gpu memory", memory), ("gpu health", health)]

@@ -201,6 +201,11 @@ def seed_from_inputs(name: str, root: Path, input_root: Path) -> CheckpointInfo 
             return None
         if source.verify(step).ok:
             return _copy_checkpoint(source, info, target)
+    if not candidates and newest_here is None:
+        # A Hugging Face Trainer's output (checkpoint-N folders), committed by nbresume.hf.
+        from nbresume.hf.resume import seed_from
+
+        return seed_from(folders, root)
     return None
 
 

@@ -1,7 +1,9 @@
 """Loaded by every Python process the Kaggle tests start (this folder is on PYTHONPATH): a
 socket audit hook that refuses any connection or name lookup that is not loopback, and writes
 what it refused to the file named by NBRESUME_TEST_NET_LOG, which the tests check is empty.
-Nothing a test starts can reach Kaggle, or anything else, for real."""
+Nothing a test starts can reach Kaggle, or anything else, for real. With
+NBRESUME_TEST_HIDE_NBRESUME=1 it also hides the development nbresume (a machine of the fake
+Kaggle whose image does not have it)."""
 
 from __future__ import annotations
 
@@ -49,3 +51,17 @@ def _hook(event: str, args: tuple[object, ...]) -> None:
 
 
 sys.addaudithook(_hook)
+
+
+def _hide_nbresume() -> None:
+    """A machine of the fake Kaggle whose image has no nbresume: drop the development copy
+    from the import path, so that only what the notebook installs can be imported."""
+    installed = os.environ.get("PIP_TARGET", "")
+    for entry in list(sys.path):
+        development = entry and os.path.isfile(os.path.join(entry, "nbresume", "__init__.py"))
+        if development and entry != installed:
+            sys.path.remove(entry)
+
+
+if os.environ.get("NBRESUME_TEST_HIDE_NBRESUME") == "1":
+    _hide_nbresume()

@@ -64,6 +64,7 @@ class DriveApi:
             except Exception as exc:
                 raise StorageError(
                     f"the Drive API was not authorised: {exc}",
+                    where="the Google Drive API",
                     fix="run `from google.colab import auth; auth.authenticate_user()` and "
                     "allow access",
                 ) from None
@@ -72,6 +73,7 @@ class DriveApi:
         except ImportError:
             raise StorageError(
                 "google-api-python-client is missing, so Drive cannot be asked what it holds",
+                where="the Google Drive API",
                 fix="pip install google-api-python-client (Colab ships it)",
             ) from None
         root = knobs.DRIVE_API_URL.raw()
@@ -84,6 +86,7 @@ class DriveApi:
         except Exception as exc:
             raise StorageError(
                 f"cannot start a Drive API client: {exc}",
+                where="the Google Drive API",
                 fix="run `from google.colab import auth; auth.authenticate_user()` and allow "
                 "access",
             ) from None

@@ -2,8 +2,12 @@
 
 Protocol (:class:`~nbresume.checkpoint.backends.base.Backend`): a checkpoint is written into a
 hidden sibling folder, every file and the folder are fsynced, and one atomic rename makes it
-visible; a step saved again moves the old copy aside first, and :meth:`LocalStore.recover` puts
-it back if the writer was killed in between. Deleting is a rename out of view, then removal.
+visible; the parent folder is then fsynced so that the rename survives a power cut. A step
+saved again moves the old copy aside first, and :meth:`LocalStore.recover` puts it back if the
+writer was killed in between. Deleting is a rename out of view, then removal.
+
+Every file-system call of that protocol goes through one :class:`Files` object (the seam where
+the power-cut tests put a layer that loses what was not synced when the power goes).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from nbresume import knobs
 from nbresume.checkpoint.backends.base import (
     DELETING_PREFIX,
     REPLACED_PREFIX,
@@ -29,14 +34,75 @@ from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFI
 from nbresume.errors import StorageError
 
 
+class Files:
+    """The file-system calls of the local commit protocol, as the operating system does them.
+
+    One object per store; a test may pass another (``LocalStore(root, files=...)``) that
+    models a power cut: writes and folder changes not yet synced are lost.
+    """
+
+    def make_folder(self, path: Path) -> None:
+        os.mkdir(path)
+
+    def open_new(self, path: Path) -> IO[bytes]:
+        """A new file, open for writing (refused when the name exists)."""
+        return open(path, "xb")
+
+    def sync(self, handle: IO[bytes]) -> None:
+        """Make a file's bytes durable (its name is durable once its folder is synced)."""
+        handle.flush()
+        os.fsync(handle.fileno())
+
+    def sync_folder(self, path: Path) -> None:
+        """Make a folder's entries (files created, renamed or removed in it) durable."""
+        _fsync_dir(path)
+
+    def rename(self, source: Path, target: Path) -> None:
+        os.rename(source, target)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+    def remove_tree(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+#: File systems on a local device: there, what reads back right after a save comes from the
+#: page cache, the very bytes that were hashed as they were written, so reading it proves
+#: nothing more. Anything else (FUSE mounts, NFS, SMB, 9p) is read back.
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "bcachefs",
+     "tmpfs", "ramfs", "overlay"}
+)  # fmt: skip
+
+
 class LocalStore(Backend):
     """A folder on a POSIX file system: temporary sibling folder, fsync, atomic rename."""
 
     atomic_rename = True
     atomic_create = True
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, files: Files | None = None) -> None:
         self.root = Path(root).expanduser()
+        #: Where every call of the commit protocol goes (:class:`Files`).
+        self.files = files or Files()
+        self._file_system: str | None = None
+
+    @property
+    def file_system(self) -> str:
+        """The type of the file system the root is on (``"ext4"``, ``"fuse.gcsfuse"``, ...),
+        from the mount table; ``""`` where the system does not tell (not Linux)."""
+        if self._file_system is None:
+            self._file_system = mount_type(self.root)
+        return self._file_system
+
+    @property
+    def readback_after_save(self) -> bool:
+        """Whether a save reads its files back: on a local device's file system the bytes
+        that read back come from the page cache (see :data:`LOCAL_FILE_SYSTEMS`); a mount
+        whose type is unknown or remote, or a write-back cache (Drive), is read back and
+        compared."""
+        return self.write_back or self.file_system not in LOCAL_FILE_SYSTEMS
 
     @classmethod
     def from_location(
@@ -77,36 +143,38 @@ class LocalStore(Backend):
     def begin(self, final: str) -> str:
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"{TEMP_PREFIX}{final}-{_token()}"
-        (self.root / name).mkdir()
+        self.files.make_folder(self.root / name)
         return name
 
     def open_write(self, folder: str, name: str) -> IO[bytes]:
-        return open(self.root / folder / name, "xb")
+        return self.files.open_new(self.root / folder / name)
 
     def close_durably(self, handle: IO[bytes]) -> None:
         try:
-            handle.flush()
-            os.fsync(handle.fileno())
+            self.files.sync(handle)
         finally:
             handle.close()
 
     def commit(self, folder: str, final: str) -> None:
         self._check_writer()
-        _fsync_dir(self.root / folder)
+        # The files' names in the pending folder: without this, a power cut after the rename
+        # can leave the checkpoint's folder in place and its files gone.
+        self.files.sync_folder(self.root / folder)
         target = self.root / final
         replaced: Path | None = None
         if target.exists():
             # Saving a step that already exists: move the old copy aside first. If we are killed
             # before the new copy is in place, recover() puts the old one back.
             replaced = self.root / f"{REPLACED_PREFIX}{final}-{_token()}"
-            os.rename(target, replaced)
-        os.rename(self.root / folder, target)
-        _fsync_dir(self.root)
+            self.files.rename(target, replaced)
+        self.files.rename(self.root / folder, target)
+        # The rename itself: without this, a power cut can take back a checkpoint reported saved.
+        self.files.sync_folder(self.root)
         if replaced is not None:
             # The manifest first: a copy cut short by a kill is then never put back by recover().
             with contextlib.suppress(OSError):
-                os.unlink(replaced / MANIFEST_NAME)
-            shutil.rmtree(replaced, ignore_errors=True)
+                self.files.unlink(replaced / MANIFEST_NAME)
+            self.files.remove_tree(replaced)
 
     def open_read(self, folder: str, name: str) -> IO[bytes]:
         path = self.root / folder / name
@@ -122,12 +190,12 @@ class LocalStore(Backend):
         # happens afterwards, and a kill in the middle of it leaves only a hidden folder.
         self._check_writer()
         doomed = self.root / f"{DELETING_PREFIX}{folder}-{_token()}"
-        os.rename(self.root / folder, doomed)
-        _fsync_dir(self.root)
-        shutil.rmtree(doomed, ignore_errors=True)
+        self.files.rename(self.root / folder, doomed)
+        self.files.sync_folder(self.root)
+        self.files.remove_tree(doomed)
 
     def discard(self, folder: str) -> None:
-        shutil.rmtree(self.root / folder, ignore_errors=True)
+        self.files.remove_tree(self.root / folder)
 
     def recover(self, current: str) -> list[str]:
         self._check_writer()
@@ -138,11 +206,11 @@ class LocalStore(Backend):
             if name.startswith(REPLACED_PREFIX):
                 final = name[len(REPLACED_PREFIX) :].split("-", 1)[0]
                 if not (self.root / final).exists() and (self.root / name / MANIFEST_NAME).exists():
-                    os.rename(self.root / name, self.root / final)
-                    _fsync_dir(self.root)
+                    self.files.rename(self.root / name, self.root / final)
+                    self.files.sync_folder(self.root)
                     cleaned.append(name)
                     continue
-            shutil.rmtree(self.root / name, ignore_errors=True)
+            self.files.remove_tree(self.root / name)
             cleaned.append(name)
         return cleaned
 
@@ -197,6 +265,31 @@ class LocalStore(Backend):
 
 
 _FSYNC_REFUSED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES}
+
+
+def mount_type(path: Path) -> str:
+    """The file-system type of the mount that holds ``path`` (the longest mount point that
+    contains it, from /proc/self/mountinfo, or ``NBRESUME_MOUNTINFO``), or ``""`` where there
+    is no such table."""
+    probe = Path(os.path.realpath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        with open(knobs.MOUNTINFO.raw(), encoding="utf-8", errors="replace") as table:
+            lines = table.read().splitlines()
+    except OSError:
+        return ""
+    best, kind = "", ""
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        # Field 5 is the mount point (spaces escaped as \040); the type follows " - ".
+        point = fields[4].replace("\\040", " ")
+        inside = str(probe) == point or str(probe).startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, line.split(" - ", 1)[1].split()[0]
+    return kind
 
 
 def _fsync_dir(path: Path) -> None:

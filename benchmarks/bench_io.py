@@ -1,0 +1,301 @@
+"""The core's hot path against the disk's own speed: hashes, durable save, restore.
+
+Three measurements, each side by side in one process, repetitions interleaved (A, B, C, then
+again), medians reported with the load average at the start and the end:
+
+- **hashes**: throughput of the integrity hashes a checkpoint could use (SHA-256, XXH3-128,
+  BLAKE3, CRC32C, MD5) over 256 MiB in memory, on one core and on two threads;
+- **save**: ``CheckpointStore.save`` until it returns (written, fsynced, committed, checked)
+  against a raw write of the same tensor bytes into one file per group plus fsync, with
+  XXH3-128 (format v1.1) and with SHA-256 (format v1);
+- **restore**: ``CheckpointStore.load`` (every byte hashed and checked, tensors built) against
+  a raw read of the same files into one reused 8 MiB buffer, cold (the files' pages dropped
+  with posix_fadvise first) and warm.
+
+Run from the repository root (``python -m benchmarks`` runs it with the other suites)::
+
+    .venv/bin/python benchmarks/bench_io.py --sizes 50,500 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a script (python benchmarks/NAME.py): the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._common import evict, file_system, fsync_path, load_average, machine
+
+HERE = Path(__file__).resolve().parent
+MB = 1_000_000
+CHUNK = 8 << 20
+
+
+# -- hashes -------------------------------------------------------------------------------
+
+
+def hash_functions() -> dict[str, Callable[[bytes], object]]:
+    """The candidate hashes that are installed, each over one buffer."""
+    found: dict[str, Callable[[bytes], object]] = {
+        "SHA-256": lambda b: hashlib.sha256(b).digest(),
+        "MD5": lambda b: hashlib.md5(b, usedforsecurity=False).digest(),
+    }
+    try:
+        import xxhash
+
+        found["XXH3-128"] = lambda b: xxhash.xxh3_128(b).digest()
+    except ImportError:
+        pass
+    try:
+        import blake3
+
+        found["BLAKE3"] = lambda b: blake3.blake3(b).digest()
+        found["BLAKE3 (its own threads)"] = lambda b: blake3.blake3(
+            b, max_threads=blake3.blake3.AUTO
+        ).digest()
+    except ImportError:
+        pass
+    try:
+        import google_crc32c
+
+        found["CRC32C"] = google_crc32c.value
+    except ImportError:
+        pass
+    return found
+
+
+def measure_hashes(mib: int, reps: int) -> dict[str, dict[str, float]]:
+    """GB/s of each hash over ``mib`` MiB: one thread, and two threads on two halves."""
+    data = os.urandom(mib << 20)  # bytes: google_crc32c takes nothing else
+    halves = [data[: len(data) // 2], data[len(data) // 2 :]]  # copied before any clock
+    functions = hash_functions()
+    times: dict[str, dict[str, list[float]]] = {n: {"one": [], "two": []} for n in functions}
+    for _ in range(reps):
+        for name, function in functions.items():
+            started = time.perf_counter()
+            function(data)
+            times[name]["one"].append(time.perf_counter() - started)
+            threads = [threading.Thread(target=function, args=(h,)) for h in halves]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            times[name]["two"].append(time.perf_counter() - started)
+    return {
+        name: {kind: len(data) / statistics.median(values) / 1e9 for kind, values in t.items()}
+        for name, t in times.items()
+    }
+
+
+# -- save and restore ---------------------------------------------------------------------
+
+
+def build(mb: float) -> dict[str, dict[str, Any]]:
+    """A model of about ``mb`` / 3 MB of float32 weights and an AdamW-shaped state twice its
+    size (exp_avg, exp_avg_sq): ``mb`` MB of tensors in two groups."""
+    import torch
+
+    width = 1024
+    layers = max(1, round(mb * MB / 3 / (width * width * 4)))
+    generator = torch.Generator().manual_seed(0)
+    model = {f"{i}.weight": torch.randn(width, width, generator=generator) for i in range(layers)}
+    optimizer = {}
+    for i in range(layers):
+        optimizer[f"state.{i}.exp_avg"] = torch.randn(width, width, generator=generator)
+        optimizer[f"state.{i}.exp_avg_sq"] = torch.rand(width, width, generator=generator)
+    return {"model": model, "optimizer": optimizer}
+
+
+def raw_write(state: dict[str, dict[str, Any]], folder: Path) -> None:
+    """The floor: each group's tensor bytes into one file, fsynced, and the folder fsynced."""
+    folder.mkdir()
+    for group, tensors in state.items():
+        with open(folder / f"{group}.bin", "wb") as handle:
+            for tensor in tensors.values():
+                handle.write(memoryview(tensor.numpy()).cast("B"))
+            handle.flush()
+            os.fsync(handle.fileno())
+    fsync_path(folder)
+
+
+def raw_read(folder: Path) -> int:
+    """The floor: every file read once into one reused 8 MiB buffer."""
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    total = 0
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as handle:
+                while count := handle.readinto(view):
+                    total += count
+    return total
+
+
+def measure_io(sizes: list[float], reps: int, scratch: Path) -> list[dict[str, Any]]:
+    """Per size: medians of save (XXH3-128, SHA-256, raw) and restore (cold, warm, raw)."""
+    from nbresume import CheckpointStore
+
+    rows = []
+    for mb in sizes:
+        state = build(mb)
+        nbytes = sum(t.nbytes for g in state.values() for t in g.values())
+        saves: dict[str, list[float]] = {"raw write + fsync": [], "xxh3-128": [], "sha256": []}
+        loads: dict[str, list[float]] = {
+            "raw read cold": [], "nbresume cold": [], "raw read warm": [], "nbresume warm": []
+        }  # fmt: skip
+        for rep in range(reps):
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            for method, times in saves.items():
+                target = scratch / f"{method}-{rep}"
+                started = time.perf_counter()
+                if method.startswith("raw"):
+                    raw_write(state, target)
+                else:
+                    CheckpointStore(target, keep=1, hash=method).save(1, tensors=state)
+                times.append(time.perf_counter() - started)
+            checkpoint, raw = scratch / f"xxh3-128-{rep}", scratch / f"raw write + fsync-{rep}"
+            for temperature in ("cold", "warm"):
+                for method in ("raw read", "nbresume"):
+                    folder = raw if method == "raw read" else checkpoint
+                    if temperature == "cold":
+                        evict(folder)
+                    else:
+                        raw_read(folder)  # the page cache holds the files
+                    started = time.perf_counter()
+                    if method == "raw read":
+                        raw_read(folder)
+                    else:
+                        loaded = CheckpointStore(folder, keep=None).load()
+                        del loaded
+                    loads[f"{method} {temperature}"].append(time.perf_counter() - started)
+        shutil.rmtree(scratch, ignore_errors=True)
+        rows.append(
+            {
+                "mb": nbytes / MB,
+                "save": {k: statistics.median(v) for k, v in saves.items()},
+                "load": {k: statistics.median(v) for k, v in loads.items()},
+                "save_all": saves,
+                "load_all": loads,
+            }
+        )
+    return rows
+
+
+# -- the report ---------------------------------------------------------------------------
+
+
+def render(hashes: dict[str, dict[str, float]], rows: list[dict[str, Any]], meta: dict[str, str],
+           reps: int) -> str:  # fmt: skip
+    lines = [
+        "# The core's hot path: hashes, durable save, restore",
+        "",
+        f"- Command: `{meta['command']}`",
+        f"- Machine: {meta['machine']}",
+        f"- Scratch folder: {meta['file_system']}",
+        f"- Load average (1 min) at the start and the end: {meta['load_before']}, "
+        f"{meta['load_after']} (other work on the machine shares the cores and the disk)",
+        f"- Date: {meta['date']}",
+        f"- Medians of {reps} interleaved repetitions.",
+        "",
+        "## Integrity hashes",
+        "",
+        "GB/s over 256 MiB in memory (10^9 bytes per second). Two threads: the buffer's two "
+        "halves hashed at once (what a hash that releases the GIL gains on 2 cores).",
+        "",
+        "| hash | one thread | two threads |",
+        "|---|---:|---:|",
+    ]
+    for name, speed in sorted(hashes.items(), key=lambda item: -item[1]["one"]):
+        lines.append(f"| {name} | {speed['one']:.2f} | {speed['two']:.2f} |")
+    lines += [
+        "",
+        "## Save until durable, against a raw write + fsync of the same bytes",
+        "",
+        "nbresume: `CheckpointStore.save` until it returns: files written and hashed in one "
+        "pass, each fsynced (overlapped with the next file's write), manifest written and "
+        "fsynced, folder fsynced, renamed, parent fsynced, then the manifest and each file's "
+        "size checked (no read-back on a local disk: see docs/storage.md).",
+        "",
+        "| state | raw write + fsync | nbresume (XXH3-128) | ratio | nbresume (SHA-256) | ratio |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        s = row["save"]
+        raw = s["raw write + fsync"]
+        lines.append(
+            f"| {row['mb']:.0f} MB | {raw:.3f} s | {s['xxh3-128']:.3f} s | "
+            f"{s['xxh3-128'] / raw:.2f}x | {s['sha256']:.3f} s | {s['sha256'] / raw:.2f}x |"
+        )
+    lines += [
+        "",
+        "## Restore, against a raw read of the same files (8 MiB reused buffer)",
+        "",
+        "nbresume: `CheckpointStore.load`: every file read once into its own buffer, hashed "
+        "(XXH3-128) as it is read, checked, tensors built on that memory. Cold: the files' "
+        "pages dropped with posix_fadvise first (a virtual machine's host may still cache the "
+        "disk).",
+        "",
+        "| state | raw cold | nbresume cold | ratio | raw warm | nbresume warm | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        load = row["load"]
+        lines.append(
+            f"| {row['mb']:.0f} MB | {load['raw read cold']:.3f} s | "
+            f"{load['nbresume cold']:.3f} s | "
+            f"{load['nbresume cold'] / load['raw read cold']:.2f}x | "
+            f"{load['raw read warm']:.3f} s | {load['nbresume warm']:.3f} s | "
+            f"{load['nbresume warm'] / load['raw read warm']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(sizes: list[float], reps: int, scratch: Path, command: str) -> tuple[str, dict[str, Any]]:
+    """Every measurement; the page and the raw numbers."""
+    meta = {
+        "command": command,
+        "machine": machine(),
+        "file_system": file_system(scratch.parent),
+        "load_before": load_average(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    hashes = measure_hashes(256, max(3, reps))
+    rows = measure_io(sizes, reps, scratch)
+    meta["load_after"] = load_average()
+    return render(hashes, rows, meta, reps), {"meta": meta, "hashes": hashes, "io": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="50,500", help="state sizes in MB, comma-separated")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", type=Path, help="scratch folder on the disk to measure")
+    parser.add_argument("--out", default=str(HERE / "results" / "io.md"), help="results file")
+    args = parser.parse_args(argv)
+    sizes = [float(s) for s in args.sizes.split(",")]
+    scratch = Path(tempfile.mkdtemp(prefix="nbresume-io-", dir=args.dir)) / "work"
+    command = f"python benchmarks/bench_io.py --sizes {args.sizes} --reps {args.reps}"
+    try:
+        page, _ = run(sizes, args.reps, scratch, command)
+    finally:
+        shutil.rmtree(scratch.parent, ignore_errors=True)
+    Path(args.out).write_text(page)
+    print(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""A training loop nbresume does not run, made to look like a Checkpointer.
+
+A framework (the Hugging Face Trainer, Lightning) runs its own loop and writes its own
+checkpoints. :class:`Watch` gives such a loop what a
+:class:`~nbresume.checkpoint.checkpointer.Checkpointer` has: the notebook panel and the
+status line find it (:func:`nbresume.checkpoint.events.announce`) and show its step, total,
+checkpoints and deadline; SIGTERM / SIGUSR1 / an interrupt / the panel's buttons / the session
+deadline become requests that the framework's callback answers at its next step boundary; each
+save reports ``save_started``, ``committed``, ``verified`` (and ``syncing`` / ``durable`` on
+Google Drive), and its measured cost sizes the deadline's margin, as the Checkpointer's do.
+
+The framework's callback drives it::
+
+    watch = Watch(store, deadline="auto")
+    watch.start(step=trainer_step, total=max_steps)       # the loop begins (main thread)
+    ...                                                   # at every step boundary:
+    watch.step_done(step)
+    if reason := watch.stop_reason(): save, then watch.stopping(step, reason), end the loop
+    elif watch.save_requested(): save
+    ...                                                   # each save:
+    info = watch.commit(step, lambda on_committed: pending.commit(on_committed=on_committed))
+    watch.finish(step, done=True)                         # the loop ended
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from nbresume.checkpoint import events as ev
+from nbresume.checkpoint import hooks, stops
+from nbresume.checkpoint.cadence import Cadence
+from nbresume.checkpoint.deadline import resolve_deadline
+from nbresume.checkpoint.durability import DurabilityWatcher
+from nbresume.checkpoint.info import CheckpointInfo
+from nbresume.checkpoint.pending import PendingCheckpoint
+from nbresume.checkpoint.store import CheckpointStore
+from nbresume.errors import UsageError
+
+if TYPE_CHECKING:
+    from nbresume.checkpoint.confirm import Confirmation
+
+log = logging.getLogger("nbresume")
+
+#: What a save through :meth:`Watch.commit` runs: given the callback of the commit, it commits
+#: and returns the verified checkpoint (``pending.commit(on_committed=...)``).
+SaveFunction = Callable[[Callable[[CheckpointInfo], None]], CheckpointInfo]
+
+
+class Watch:
+    """The panel's, the status line's and the stop machinery's view of a framework's loop.
+
+    Args:
+        store: the checkpoint store the framework's checkpoints are committed to.
+        deadline: ``"auto"`` (the platform's session cap), seconds from now, a duration or
+            ``None``, as for the Checkpointer.
+        callbacks: callables that receive every :class:`~nbresume.checkpoint.events.Event`.
+        announce: tell the notebook panel and the status line about this loop now.
+
+    Attributes read by the panel and the status line: :attr:`events`, :attr:`store`,
+    :attr:`step`, :attr:`total`, :attr:`epoch`, :attr:`deadline`, :attr:`deadline_source`,
+    :attr:`stop_at`, :attr:`cadence`, :attr:`durability`.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        deadline: float | int | str | None = "auto",
+        callbacks: list[ev.Callback] | None = None,
+        announce: bool = True,
+    ) -> None:
+        self.store = store
+        self.events = ev.EventBus(callbacks)
+        #: Saves happen when the framework decides; the cadence only learns their cost.
+        self.cadence = Cadence(None)
+        self.durability = (
+            DurabilityWatcher(store, self.events) if store.backend.write_back else None
+        )
+        self.deadline, self.deadline_source = resolve_deadline(deadline)
+        self._explicit_deadline = deadline not in (None, "auto")
+        #: Called after a stop-save on a signal, before the exit (a Slurm job asks to be
+        #: requeued): ``after_stop(signum, step)``.
+        self.after_stop = hooks.after_stop_save
+        #: Saves the framework's state now and returns the verified checkpoint: what the
+        #: panel's "Save now" and ``%nbresume save`` call between cells. Set by the framework.
+        self.save_now: Callable[[], CheckpointInfo | None] | None = None
+        self.step = 0
+        self.total: int | None = None
+        self.epoch: int | None = None
+        self.running = False
+        self.restored_step: int | None = None
+        self.signum: int | None = None  # the stop signal received in the running loop
+        self._save_requested = False
+        self._stop_request = ""
+        self._previous: dict[int, Any] | None = None
+        self._step_started: float | None = None
+        if announce:
+            ev.announce(self)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def start(self, step: int = 0, total: int | None = None, *, epoch: int | None = None) -> None:
+        """The loop begins at ``step`` (of ``total``): requests made before it are dropped,
+        and in the main thread the stop signals become requests (never a write in a handler)."""
+        self.step, self.total, self.epoch = step, total, epoch
+        #: The step the loop resumed from (``None`` for a fresh start): the panel counts the
+        #: training at risk from there.
+        self.restored_step = step or None
+        self._save_requested = False
+        self._stop_request = ""
+        self.signum = None
+        self.running = True
+        self._step_started = time.monotonic()
+        if self._previous is None and threading.current_thread() is threading.main_thread():
+            self._previous = stops.install(self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second interrupt: stop at once
+        self.signum = signum
+
+    def step_done(self, step: int, *, total: int | None = None, epoch: int | None = None) -> None:
+        """A step boundary: ``step`` steps are done. Reports progress and learns the step's
+        time (for the deadline's margin)."""
+        now = time.monotonic()
+        if self._step_started is not None and step > self.step:
+            self.cadence.observe_step((now - self._step_started) / (step - self.step))
+        self._step_started = now
+        self.step = step
+        if total is not None:
+            self.total = total
+        if epoch is not None:
+            self.epoch = epoch
+        self.events.emit(ev.STEP, step, total=self.total, epoch=self.epoch)
+
+    def stop_reason(self) -> str:
+        """Why the loop must save and stop at this step boundary: a request (the panel), a
+        signal, or the deadline near; ``""`` to go on."""
+        if self._stop_request:
+            return self._stop_request
+        if self.signum is not None:
+            return stops.signal_reason(self.signum)
+        return stops.deadline_reason(self.deadline, self.deadline_source, self._margin())
+
+    def save_requested(self) -> bool:
+        """Whether a save was asked for since the last call (the flag is cleared)."""
+        asked, self._save_requested = self._save_requested, False
+        return asked
+
+    def request_save(self) -> None:
+        """Ask for a save at the next step boundary. Safe from any thread."""
+        self._save_requested = True
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask the loop to save at the next step boundary and stop. Safe from any thread."""
+        self._stop_request = reason or "stop requested"
+
+    @property
+    def stop_at(self) -> float | None:
+        """When the loop saves and stops for the deadline (a Unix time), with the margin as
+        measured now; ``None`` without a deadline."""
+        return None if self.deadline is None else self.deadline - self._margin()
+
+    def _margin(self) -> float:
+        return stops.deadline_margin(self.cadence, explicit=self._explicit_deadline)
+
+    # -- saves --------------------------------------------------------------------------
+
+    def save_started(self, step: int) -> float:
+        """The framework starts writing the checkpoint of ``step`` now: report it, and return
+        the time to hand to :meth:`commit` (the save's cost counts from here)."""
+        self.events.emit(ev.SAVE_STARTED, step)
+        return time.monotonic()
+
+    def commit(
+        self, step: int, save: SaveFunction, *, started: float | None = None
+    ) -> CheckpointInfo:
+        """Run one save and report it: ``save_started`` (unless :meth:`save_started` did),
+        ``committed``, ``verified`` (or ``failed``, and the error is raised), its cost learnt,
+        and on Google Drive ``syncing`` until the durable store confirms it (then ``durable``)."""
+        if started is None:
+            started = self.save_started(step)
+        try:
+            info = save(
+                lambda i: self.events.emit(ev.COMMITTED, i.step, location=i.location, size=i.size)
+            )
+        except BaseException as exc:
+            self.events.emit(ev.FAILED, step, error=str(exc))
+            raise
+        seconds = time.monotonic() - started
+        self.cadence.observe_save(seconds)
+        self.events.emit(
+            ev.VERIFIED, info.step, location=info.location, size=info.size, seconds=seconds
+        )
+        if self.durability is not None:
+            self.durability.track(info)  # "syncing" until the durable store confirms it
+        return info
+
+    def commit_pending(
+        self,
+        pending: PendingCheckpoint,
+        metrics: dict[str, float] | None = None,
+        *,
+        started: float | None = None,
+    ) -> CheckpointInfo:
+        """:meth:`commit` of a pending checkpoint whose files are all in."""
+        return self.commit(
+            pending.step,
+            lambda on_committed: pending.commit(metrics, on_committed=on_committed),
+            started=started,
+        )
+
+    def save(
+        self, step: int | None = None, *, block: bool = True, **_: Any
+    ) -> CheckpointInfo | None:
+        """Save now, between cells (the panel's "Save now", ``%nbresume save``): through the
+        framework's :attr:`save_now`."""
+        if self.save_now is None:
+            raise UsageError(
+                "this training loop cannot be saved from outside it",
+                fix="run the training cell; the panel's Save button then saves at the next step",
+            )
+        return self.save_now()
+
+    def wait(self, *, durable: bool = False, timeout: float | None = None) -> Confirmation | None:
+        """Saves through a watch are blocking: nothing is ever in flight. With ``durable``, wait
+        until the storage itself confirms the newest checkpoint, as
+        :meth:`Checkpointer.wait <nbresume.checkpoint.checkpointer.Checkpointer.wait>` does."""
+        from nbresume.checkpoint.confirm import confirm
+
+        return confirm(self.store, timeout=timeout) if durable else None
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint."""
+        return self.store.latest()
+
+    # -- the end ------------------------------------------------------------------------
+
+    def stopping(self, step: int, reason: str) -> None:
+        """The loop saved ``step`` and stops for ``reason``: report it."""
+        self.step = step
+        self.events.emit(ev.STOPPING, step, reason=reason)
+        log.warning("nbresume: %s; saved step %d and stopped", reason, step)
+
+    def finish(self, step: int, *, done: bool) -> None:
+        """The loop ended at ``step`` (``done``: it ran to its end). Restores the signal
+        handlers; reports ``done``. After a stop on a signal, runs the after-stop action
+        (a Slurm requeue) and ends the process as the signal would have: ``KeyboardInterrupt``
+        for an interrupt, else ``SystemExit(128 + signum)``."""
+        self.step = step
+        self.running = False
+        if self._previous is not None:
+            stops.restore(self._previous)
+            self._previous = None
+        if done:
+            self.events.emit(ev.DONE, step)
+        signum, self.signum = self.signum, None
+        if signum is None or done:
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.after_stop is not None:
+            self.after_stop(signum, step)
+        raise SystemExit(128 + signum)
+
+    def close(self) -> None:
+        """Restore the signal handlers and stop following Drive uploads."""
+        if self._previous is not None:
+            stops.restore(self._previous)
+            self._previous = None
+        if self.durability is not None:
+            self.durability.close()
+
+    def __repr__(self) -> str:
+        return f"Watch({self.store.location!r}, step={self.step})"
+
+
+__all__ = ["SaveFunction", "Watch"]

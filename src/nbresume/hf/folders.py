@@ -1,0 +1,321 @@
+"""Framework checkpoint folders (``checkpoint-N``) as verified nbresume checkpoints.
+
+The Hugging Face Trainer writes ``<output_dir>/checkpoint-<step>/`` (Accelerate's
+``save_state`` with automatic naming ``checkpoints/checkpoint_<n>/``), straight into its final
+place. :func:`commit_folder` turns such a folder into an nbresume checkpoint through the core's
+pending-checkpoint layer: the files move into the pending folder, each is fsynced and hashed,
+``manifest.json`` is written last, and one rename puts the folder back under its own name,
+where it is read back and verified. The folder stays what the framework wrote (plus
+``manifest.json`` and :data:`FILES_NAME`): ``from_pretrained`` and the Trainer load it unchanged.
+
+nbresume's format names only ``*.safetensors`` and ``*.json`` files, so that nbresume never
+has a reason to unpickle anything. A framework's other files (``optimizer.pt``,
+``rng_state.pth``, ``training_args.bin``) are listed with their sizes and hashes in
+:data:`FILES_NAME`, a JSON file that the manifest itself covers; :func:`verify` checks them
+too. nbresume opens them only to hash them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from nbresume.checkpoint.backends.base import Backend, FreeSpace
+from nbresume.checkpoint.backends.local import LocalStore
+from nbresume.checkpoint.format import (
+    MANIFEST_NAME,
+    Manifest,
+    is_valid_file_name,
+    parse_step_dirname,
+    step_dirname,
+)
+from nbresume.checkpoint.info import CheckpointInfo
+from nbresume.checkpoint.pending import PendingCheckpoint
+from nbresume.checkpoint.store import CheckpointStore
+from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
+
+if TYPE_CHECKING:
+    from nbresume.checkpoint.durability import Durability
+
+#: The file that lists the framework's files the manifest cannot name, with their hashes.
+FILES_NAME = "nbresume_framework_files.json"
+_READ = 8 << 20
+
+
+class FolderNames:
+    """How a framework names its checkpoint folders: ``<prefix><step>``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._pattern = re.compile(re.escape(prefix) + r"(0|[1-9][0-9]*)")
+
+    def step(self, name: str) -> int | None:
+        """The step of a framework folder name (``None`` for any other name)."""
+        match = self._pattern.fullmatch(name)
+        return int(match.group(1)) if match else None
+
+    def real(self, name: str) -> str:
+        """The framework's name of the store's folder ``name`` (other names unchanged)."""
+        step = parse_step_dirname(name)
+        return name if step is None else f"{self.prefix}{step}"
+
+    def seen(self, name: str) -> str:
+        """The store's name of the framework's folder ``name`` (other names unchanged)."""
+        step = self.step(name)
+        return name if step is None else step_dirname(step)
+
+
+TRAINER = FolderNames("checkpoint-")
+ACCELERATE = FolderNames("checkpoint_")
+
+
+class _Named(Backend):
+    """A local (or Drive) backend whose checkpoint folders carry the framework's names.
+
+    The store above speaks of ``000000000010``; on disk the folder is ``checkpoint-10``. Every
+    call goes to the backend of the folder (fsync, atomic rename, Drive's durability and
+    deletion through its API) with the names translated; nothing else changes."""
+
+    def __init__(self, inner: LocalStore, names: FolderNames) -> None:
+        self.inner = inner
+        self.names = names
+        self.root = inner.root
+        self.atomic_rename = inner.atomic_rename
+        self.write_back = inner.write_back
+        self.reports_md5 = inner.reports_md5
+        self.durability_poll_s = inner.durability_poll_s
+        self.atomic_create = inner.atomic_create
+        self.lease_expiry_s = inner.lease_expiry_s
+
+    @classmethod
+    def from_location(
+        cls, location: str, storage_options: Mapping[str, Any] | None = None
+    ) -> Backend:
+        raise UsageError("a framework's folder is opened with nbresume.hf.folders.open_store")
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+    @property
+    def writer_check(self) -> Callable[[], None] | None:
+        return self.inner.writer_check
+
+    @writer_check.setter
+    def writer_check(self, check: Callable[[], None] | None) -> None:
+        self.inner.writer_check = check
+
+    def child(self, *names: str) -> str:
+        return self.inner.child(*[self.names.real(n) for n in names])
+
+    def list_folders(self) -> list[str]:
+        return [self.names.seen(n) for n in self.inner.list_folders()]
+
+    def list_files(self, folder: str) -> list[str]:
+        return self.inner.list_files(self.names.real(folder))
+
+    def begin(self, final: str) -> str:
+        return self.inner.begin(self.names.real(final))
+
+    def open_write(self, folder: str, name: str) -> IO[bytes]:
+        return self.inner.open_write(self.names.real(folder), name)
+
+    def close_durably(self, handle: IO[bytes]) -> None:
+        self.inner.close_durably(handle)
+
+    def commit(self, folder: str, final: str) -> None:
+        self.inner.commit(self.names.real(folder), self.names.real(final))
+
+    def open_read(self, folder: str, name: str) -> IO[bytes]:
+        return self.inner.open_read(self.names.real(folder), name)
+
+    def delete(self, folder: str) -> None:
+        self.inner.delete(self.names.real(folder))
+
+    def discard(self, folder: str) -> None:
+        self.inner.discard(self.names.real(folder))
+
+    def recover(self, current: str) -> list[str]:
+        return self.inner.recover(self.names.real(current))
+
+    def free_space(self) -> FreeSpace:
+        return self.inner.free_space()
+
+    def durability(self, folder: str, manifest: Manifest) -> Durability:
+        from nbresume.checkpoint.backends.drive import DriveStore
+        from nbresume.checkpoint.durability import FAILED, Durability
+
+        real = self.names.real(folder)
+        if not isinstance(self.inner, DriveStore):
+            return self.inner.durability(real, manifest)
+        # Drive must hold the framework's files that the manifest cannot name too.
+        try:
+            expected = self.inner.expected(real, manifest)
+            for name, entry in framework_files(self.root / real).items():
+                expected[name] = (entry["size"], entry["md5"])
+        except (OSError, KeyError, CorruptCheckpointError) as exc:
+            return Durability(FAILED, f"cannot read the local copy of {real}: {exc}")
+        return self.inner.drive_state(real, expected)
+
+    def read_small(self, name: str) -> bytes | None:
+        return self.inner.read_small(name)
+
+    def create_small(self, name: str, data: bytes) -> bool:
+        return self.inner.create_small(name, data)
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        self.inner.replace_small(name, data)
+
+    def remove_small(self, name: str) -> None:
+        self.inner.remove_small(name)
+
+
+def open_store(
+    output_dir: str | os.PathLike[str], *, keep: int | None = None, names: FolderNames = TRAINER
+) -> CheckpointStore:
+    """The checkpoint store of a framework's output folder (a local path or a folder on the
+    mounted Google Drive), its checkpoint folders named the framework's way."""
+    location = str(local_path(output_dir))
+    inner = CheckpointStore(location).backend
+    if not isinstance(inner, LocalStore):  # pragma: no cover - a path opens a local backend
+        raise UsageError(f"{location} is not a local folder", where=location)
+    return CheckpointStore(_Named(inner, names), keep=keep)
+
+
+def local_path(output_dir: str | os.PathLike[str]) -> Path:
+    """``output_dir`` as a local path (``file://`` URLs too); other URLs are refused: a
+    framework writes and resumes from a local folder."""
+    location = os.fspath(output_dir)
+    if location.startswith("file://"):
+        location = location[len("file://") :]
+    if "://" in location:
+        raise UsageError(
+            f"{location} is a URL; the framework writes and resumes from a local folder",
+            where=location,
+            fix="give the local output folder (on Colab, a folder on the mounted Google Drive); "
+            "nbresume pull URL DIR copies verified checkpoints down",
+        )
+    return Path(location).expanduser()
+
+
+def commit_folder(store: CheckpointStore, step: int) -> PendingCheckpoint:
+    """Move the framework's folder of ``step`` into a pending checkpoint of ``store`` and take
+    in its files (fsynced and hashed); the caller commits it (or discards it, which removes the
+    files). Raises CheckpointError, leaving the folder as it is, when the folder holds anything
+    but plain files."""
+    backend = store.backend
+    assert isinstance(backend, _Named)
+    folder = backend.root / backend.names.real(step_dirname(step))
+    for stale in (MANIFEST_NAME, FILES_NAME):
+        # The framework wrote into a folder that held an earlier commit of this step: that
+        # commit is gone already (its files were overwritten), and this one is recorded anew.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder / stale)
+    names = sorted(p.name for p in folder.iterdir())
+    for name in names:
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            raise CheckpointError(
+                f"{path} is not a plain file; nbresume commits folders of plain files only",
+                where=str(folder),
+                fix="the checkpoint is left as it is, unverified; resume from it explicitly",
+            )
+    pending = store.begin(step)
+    target = backend.root / pending.folder
+    try:
+        plain = [n for n in names if is_valid_file_name(n)]
+        others = {}
+        for name in names:
+            os.rename(folder / name, target / name)
+            fsync(target / name)  # another library wrote it: durable before it counts
+            if name not in plain:
+                others[name] = _hash(target / name, md5=store.md5)
+        # The emptied folder stays until the commit replaces it: on Google Drive the commit
+        # then deletes the copy the mount had uploaded through Drive's API, not into the trash.
+        # adopt() takes every file of the pending folder, which must be one the manifest can
+        # name: the others step aside while it runs.
+        aside = target / ".framework"
+        aside.mkdir()
+        for name in others:
+            os.rename(target / name, aside / name)
+        pending.adopt()
+        for name in others:
+            os.rename(aside / name, target / name)
+        aside.rmdir()
+        pending.write_json(FILES_NAME.removesuffix(".json"), {"files": others})
+    except BaseException:
+        pending.discard()
+        raise
+    return pending
+
+
+def fsync(path: Path) -> None:
+    """Make the file (or folder) ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hash(path: Path, *, md5: bool) -> dict[str, Any]:
+    """The size and hashes of the file ``path`` as it is on disk now."""
+    sha, digest, size = hashlib.sha256(), hashlib.md5(usedforsecurity=False), 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_READ):
+            sha.update(chunk)
+            if md5:
+                digest.update(chunk)
+            size += len(chunk)
+    entry: dict[str, Any] = {"size": size, "sha256": sha.hexdigest()}
+    if md5:
+        entry["md5"] = digest.hexdigest()
+    return entry
+
+
+def framework_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """The framework files that :data:`FILES_NAME` in ``folder`` lists, by name."""
+    try:
+        files = json.loads((folder / FILES_NAME).read_bytes())["files"]
+        for name, entry in files.items():
+            if "/" in name or name.startswith(".") or not isinstance(entry["size"], int):
+                raise ValueError(f"{name!r} is not a plain file name with a size")
+            if not isinstance(entry["sha256"], str):
+                raise ValueError(f"{name!r} has no SHA-256")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{FILES_NAME} does not list files: {exc}", where=str(folder)
+        ) from None
+    return dict(files)
+
+
+def verify(store: CheckpointStore, info: CheckpointInfo) -> str:
+    """Read back every file of the committed framework folder ``info`` and compare it with its
+    manifest and :data:`FILES_NAME`; return the problem (``""``: it verified)."""
+    report = store.verify(info.step)
+    result = next((r for r in report.results if r.name == info.name), None)
+    if result is None:
+        return "it is not committed"
+    if not result.ok:
+        return result.problem
+    folder = Path(info.location)
+    try:
+        listed = framework_files(folder)
+    except (OSError, CorruptCheckpointError) as exc:
+        return str(exc)
+    for name, entry in listed.items():
+        try:
+            got = _hash(folder / name, md5=False)
+        except OSError as exc:
+            return f"{name}: cannot read it: {exc}"
+        if got["size"] != entry["size"]:
+            return f"{name}: {got['size']} bytes, the checkpoint recorded {entry['size']}"
+        if got["sha256"] != entry["sha256"]:
+            return f"{name}: its bytes differ from the ones recorded at the save (SHA-256)"
+    return ""

@@ -1,0 +1,156 @@
+"""Finding the checkpoint to resume from, and Accelerate's ``save_state`` made verified."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+from nbresume.checkpoint.info import CheckpointInfo
+from nbresume.errors import CorruptCheckpointError, UsageError
+from nbresume.hf.folders import (
+    ACCELERATE,
+    TRAINER,
+    FolderNames,
+    commit_folder,
+    fsync,
+    local_path,
+    open_store,
+    verify,
+)
+
+_NO_MANIFEST = (
+    "incomplete: it has no manifest.json (its save was cut short, or it was written "
+    "without nbresume.hf.Callback)"
+)
+
+
+def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The newest ``checkpoint-N`` folder of ``output_dir`` that verifies, as a path for
+    ``trainer.train(resume_from_checkpoint=...)``; ``None`` when there is none (a fresh run),
+    so that the same cell works on the first run and on every rerun.
+
+    Every file of the candidate is read back and checked against its manifest. A newer folder
+    that is incomplete (cut short by a disconnect, or never committed) or damaged is passed
+    over with a warning that names it. Folders of Accelerate's automatic naming
+    (``checkpoint_N``) are found the same way. ``output_dir`` is a local path or a folder on
+    the mounted Google Drive (``file://`` URLs too).
+    """
+    path = local_path(output_dir)
+    if not path.is_dir():
+        return None
+    store = open_store(path, keep=None, names=_names_in(path))
+    names = store.backend.names  # type: ignore[attr-defined]
+    committed = {info.name: info for info in store.list()}
+    for step, name in store.checkpoint_folders():
+        real = names.real(name)
+        if not (path / real).is_dir():
+            continue  # an older copy moved aside while its step was replaced
+        info = committed.get(name)
+        if info is not None:
+            problem = verify(store, info)
+        elif store.has_manifest(name):
+            problem = "its manifest.json is damaged"
+        else:
+            problem = _NO_MANIFEST
+        if not problem:
+            return str(path / real)
+        warnings.warn(
+            f"nbresume: passing over {path / real} (step {step}): {problem}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return None
+
+
+def save_state(
+    accelerator: Any, output_dir: str | os.PathLike[str] | None = None, **kwargs: Any
+) -> str:
+    """``accelerator.save_state(output_dir, **kwargs)``, then commit the folder it wrote as a
+    verified nbresume checkpoint; return the folder.
+
+    The folder's name must end with its step or iteration (``checkpoint_3`` of Accelerate's
+    automatic naming, ``step-1500``): that number orders the checkpoints, and
+    :func:`last_checkpoint` on the parent folder returns the newest that verifies. Only the
+    main process commits; every process waits for it.
+    """
+    folder = Path(accelerator.save_state(output_dir, **kwargs))
+    if accelerator.is_main_process:
+        match = re.fullmatch(r"(.*?)(0|[1-9][0-9]*)", folder.name)
+        if match is None:
+            raise UsageError(
+                f"{folder} has no step number at the end of its name",
+                where=str(folder),
+                fix="save into a folder named like step-1500, or use "
+                "ProjectConfiguration(automatic_checkpoint_naming=True)",
+            )
+        store = open_store(folder.parent, keep=None, names=FolderNames(match.group(1)))
+        commit_folder(store, int(match.group(2))).commit()
+    accelerator.wait_for_everyone()
+    return str(folder)
+
+
+def _names_in(path: Path) -> FolderNames:
+    """The naming of the checkpoint folders in ``path``: the Trainer's unless there are only
+    Accelerate's."""
+    names = [p.name for p in path.iterdir()]
+    if not any(TRAINER.step(n) is not None for n in names) and any(
+        ACCELERATE.step(n) is not None for n in names
+    ):
+        return ACCELERATE
+    return TRAINER
+
+
+def seed_from(folders: list[Path], root: Path) -> CheckpointInfo | None:
+    """Copy the newest ``checkpoint-N`` that verifies among ``folders`` (the previous runs'
+    output folders, attached as inputs) into ``root``, unless ``root`` has one as new: the
+    seed of a Kaggle chain's next session. Copied into a hidden folder, made durable, renamed
+    into place and verified there; returns the copy, or ``None`` when nothing was copied."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a damaged input checkpoint is just not a candidate
+        here = last_checkpoint(root) if root.is_dir() else None
+        newest_here = TRAINER.step(Path(here).name) if here else None
+        sources = [
+            (step, -order, Path(folder), name)
+            for order, folder in enumerate(folders)
+            for name in os.listdir(folder)
+            if (step := TRAINER.step(name)) is not None
+        ]
+        for step, _, folder, name in sorted(sources, reverse=True):
+            if newest_here is not None and step <= newest_here:
+                return None
+            source = open_store(folder, keep=None)
+            info = next((i for i in source.list() if i.step == step), None)
+            if info is None or verify(source, info):
+                continue
+            return _copy_folder(folder / name, root, step)
+    return None
+
+
+def _copy_folder(source: Path, root: Path, step: int) -> CheckpointInfo:
+    from nbresume.checkpoint.format import TEMP_PREFIX
+
+    root.mkdir(parents=True, exist_ok=True)
+    target = open_store(root, keep=None)
+    aside = root / f"{TEMP_PREFIX}seed-{source.name}"
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.copytree(source, aside)
+    for path in aside.iterdir():
+        fsync(path)
+    if (root / source.name).exists():
+        shutil.rmtree(root / source.name)  # older than the seed, or never committed
+    os.rename(aside, root / source.name)
+    fsync(root)
+    info = next(i for i in target.list() if i.step == step)
+    problem = verify(target, info)
+    if problem:
+        shutil.rmtree(root / source.name, ignore_errors=True)
+        raise CorruptCheckpointError(
+            f"{source.name} copied from {source} does not verify: {problem}",
+            where=str(root),
+            fix="check the free space and the disk of the output folder, then run again",
+        )
+    return info

@@ -1,0 +1,398 @@
+"""Lightning's checkpoint file as a verified nbresume checkpoint: safetensors plus JSON.
+
+Lightning hands a checkpoint dictionary and a path such as ``.../epoch=0-step=10.ckpt``.
+That path becomes a *folder* holding an nbresume checkpoint store: the tensors of the
+dictionary in ``tensors.safetensors``, everything else in ``checkpoint.json`` (the same tagged
+JSON the Checkpointer writes, :mod:`nbresume.checkpoint.state`), committed and read back
+through :meth:`CheckpointStore.begin`. Saving ``last.ckpt`` again adds the new step to that
+folder and retention drops the older one once the new one verified.
+
+On a local file system a new ``.ckpt`` folder is built under a hidden name beside it and
+renamed into place when its first checkpoint verified, so that a ``.ckpt`` that exists always
+holds a verified checkpoint (``ModelCheckpoint`` asks whether a name exists to pick the next
+one). Removing a ``.ckpt`` renames it to a hidden name first, then deletes: a kill at any
+moment leaves either the whole checkpoint or nothing a reader takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
+
+from nbresume.checkpoint.state import flatten, unflatten
+from nbresume.checkpoint.storage import LocalStore
+from nbresume.checkpoint.store import CheckpointStore
+from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, UsageError
+
+if TYPE_CHECKING:
+    from nbresume.frameworks.watch import Watch
+
+log = logging.getLogger("nbresume")
+
+#: The JSON document of a Lightning checkpoint: its stem, and the format it declares.
+DOCUMENT = "checkpoint"
+TENSORS = "tensors"
+FORMAT = "nbresume-lightning"
+FORMAT_VERSION = 1
+#: Hidden names beside the ``.ckpt`` folders: one being built, one being removed.
+NEW_MARK = ".nbresume-new-"
+GONE_MARK = ".nbresume-gone-"
+
+
+class CheckpointIO(_LightningCheckpointIO):
+    """Lightning's ``CheckpointIO`` storing verified safetensors + JSON, never pickle.
+
+    ``Trainer(plugins=[nbresume.lightning.CheckpointIO()])``. Every path Lightning saves to
+    (``epoch=0-step=10.ckpt``, ``last.ckpt``) becomes a folder of verified checkpoints.
+
+    Args:
+        keep: verified checkpoints kept in each ``.ckpt`` folder (``last.ckpt`` is saved again
+            and again: the older ones go once a newer one verified).
+        md5: also record MD5 hashes (stores that compare MD5s, such as Google Drive).
+    """
+
+    def __init__(self, *, keep: int = 1, md5: bool = False) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise UsageError(
+                f"keep={keep!r} is not a positive integer",
+                where="nbresume.lightning.CheckpointIO",
+                fix="keep=1 keeps the newest verified checkpoint of each .ckpt",
+            )
+        self.keep = keep
+        self.md5 = md5
+        #: Set by :class:`nbresume.lightning.Callback` while training runs: each save of
+        #: ``last.ckpt`` is then reported to the panel and the status line, and its cost
+        #: sizes the deadline margin.
+        self.watch: Watch | None = None
+
+    # -- save ----------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write ``checkpoint`` as a verified nbresume checkpoint in the folder ``path``."""
+        if storage_options is not None:
+            raise UsageError(
+                "nbresume.lightning.CheckpointIO takes no storage_options",
+                where=str(path),
+                fix="pass trainer.save_checkpoint(path) without storage_options",
+            )
+        document, tensors = encode_checkpoint(checkpoint)
+        step = _step_of(checkpoint)
+        target = _plain(path)
+        if not _is_local(target):
+            self._save_into(target, step, document, tensors)
+            return
+        final = Path(target)
+        if final.is_symlink():
+            final.unlink()  # ModelCheckpoint(save_last="link")'s link, replaced by a checkpoint
+        if final.is_file():
+            raise UsageError(
+                f"{final} is a file, not an nbresume checkpoint folder",
+                where=str(final),
+                fix="it was written without nbresume (a pickled .ckpt): move it away, or "
+                f"convert it with `nbresume convert-lightning {final} DIR`",
+            )
+        _clean_leftovers(final.parent)
+        if final.is_dir():
+            self._save_into(target, step, document, tensors)
+            return
+        # A new .ckpt: build it hidden, rename it into place once its checkpoint verified.
+        hidden = final.parent / f"{NEW_MARK}{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._save_into(str(hidden), step, document, tensors)
+            os.rename(hidden, final)
+            _fsync_dir(final.parent)
+        finally:
+            if hidden.exists():
+                shutil.rmtree(hidden, ignore_errors=True)
+
+    def _save_into(self, location: str, step: int, document: Any, tensors: dict[str, Any]) -> None:
+        store = CheckpointStore(location, keep=self.keep, md5=self.md5)
+        with store.begin(step) as pending:
+            if tensors:
+                pending.write_tensors(TENSORS, tensors)
+            pending.write_json(DOCUMENT, document)
+            watch = self.watch
+            # The watch follows one store (last.ckpt's: the panel lists it, and on Drive its
+            # durability is followed there); other .ckpt folders commit on their own.
+            if watch is not None and watch.store.location == store.location:
+                watch.commit_pending(pending)
+            else:
+                pending.commit()
+
+    # -- load ----------------------------------------------------------------------------
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint dictionary of ``path``: the newest checkpoint there that verifies.
+
+        Nothing is parsed before its hash matched, and nothing is unpickled (``weights_only``
+        changes nothing: there is no pickle to restrict). When nothing in ``path`` verifies,
+        the newest ``.ckpt`` beside it that does is loaded, with a warning naming ``path``.
+        """
+        target = _plain(path)
+        try:
+            return load_folder(target, map_location)
+        except CheckpointError as exc:
+            if not _is_local(target) or not os.path.lexists(target):
+                raise  # a path that names nothing is a mistake to report, not to work around
+            problem = exc
+        for other in ckpt_folders(Path(target).parent):
+            if other == Path(target):
+                continue
+            try:
+                loaded = load_folder(str(other), map_location)
+            except CheckpointError:
+                continue
+            warnings.warn(
+                f"nbresume: {target} could not be loaded ({problem}); "
+                f"loading {other} instead, the newest checkpoint beside it that verifies",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return loaded
+        raise problem
+
+    # -- remove ---------------------------------------------------------------------------
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the ``.ckpt`` folder ``path``: withdrawn from view in one step, then deleted.
+
+        ``ModelCheckpoint`` removes a checkpoint only after the one replacing it was saved,
+        and a save returns only once that checkpoint verified.
+        """
+        target = _plain(path)
+        if not _is_local(target):
+            store = CheckpointStore(target, keep=None)
+            for _, name in store.checkpoint_folders():
+                store.backend.delete(name)
+            _remove_url(target)
+            return
+        final = Path(target)
+        if final.is_symlink() or final.is_file():
+            final.unlink()  # a save_last="link" link, or a file written without nbresume
+            return
+        if not final.is_dir():
+            return
+        try:
+            store = CheckpointStore(target, keep=None)
+            if type(store.backend) is not LocalStore:
+                # Google Drive's mount: its delete() also frees the quota (no trash).
+                for _, name in store.checkpoint_folders():
+                    store.backend.delete(name)
+            gone = final.parent / f"{GONE_MARK}{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, gone)
+            _fsync_dir(final.parent)
+        except (OSError, CheckpointError) as exc:
+            # The newer checkpoint is saved and verified; failing now would end the run.
+            warnings.warn(
+                f"nbresume: could not remove {final} ({exc}); it is kept",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        shutil.rmtree(gone, ignore_errors=True)
+
+
+# -- the format ----------------------------------------------------------------------------
+
+
+def encode_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON document and the flat tensors of a Lightning checkpoint dictionary.
+
+    A value that is neither a tensor nor a plain value is refused with its key path.
+    """
+    try:
+        tree, tensors = flatten(checkpoint, name="checkpoint")
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"{exc.message}; nbresume never pickles, so that loading a checkpoint can never "
+            "run code",
+            fix="keep what you add in on_save_checkpoint() and save_hyperparameters() to "
+            "tensors, numbers, strings, lists and dicts (e.g. str() a path or a class, "
+            "vars() a Namespace)",
+        ) from None
+    return {"format": FORMAT, "version": FORMAT_VERSION, DOCUMENT: tree}, tensors
+
+
+def decode_checkpoint(
+    document: Any, tensors: dict[str, Any], *, where: str, map_location: Any | None = None
+) -> dict[str, Any]:
+    """Rebuild the dictionary :func:`encode_checkpoint` split (CorruptCheckpointError if
+    the document is not one)."""
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise CorruptCheckpointError(
+            "not a Lightning checkpoint written by nbresume", where=f"{where}/{DOCUMENT}.json"
+        )
+    if document.get("version") != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"format version {document.get('version')!r}; this nbresume reads version "
+            f"{FORMAT_VERSION} (pip install -U nbresume)",
+            where=f"{where}/{DOCUMENT}.json",
+        )
+    moved = {key: _mapped(t, map_location) for key, t in tensors.items()}
+    tree = unflatten(
+        document.get(DOCUMENT),
+        moved,
+        where=f"{where}/{DOCUMENT}.json",
+        tensors_where=f"{where}/{TENSORS}.safetensors",
+    )
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(
+            "the checkpoint is not a dictionary", where=f"{where}/{DOCUMENT}.json"
+        )
+    return tree
+
+
+def load_folder(location: str, map_location: Any | None = None) -> dict[str, Any]:
+    """The newest checkpoint of the ``.ckpt`` folder ``location`` that verifies and decodes;
+    an older one is taken with a warning. Raises a CheckpointError when none does."""
+    local = Path(location)
+    if _is_local(location):
+        if local.is_file():
+            raise CheckpointError(
+                "this .ckpt is a file written without nbresume (a pickled checkpoint); "
+                "nbresume never unpickles",
+                where=location,
+                fix=f"convert it once with `nbresume convert-lightning {location} DIR`",
+            )
+        if not local.is_dir():
+            raise NoCheckpointError("there is no such checkpoint", where=location)
+    store = CheckpointStore(location, keep=None)
+
+    def check(loaded: Any) -> None:
+        found["value"] = decode_checkpoint(
+            loaded.data.get(DOCUMENT),
+            loaded.tensors.get(TENSORS, {}),
+            where=loaded.location,
+            map_location=map_location,
+        )
+
+    found: dict[str, dict[str, Any]] = {}
+    store.load(check=check)
+    return found["value"]
+
+
+def _mapped(tensor: Any, map_location: Any) -> Any:
+    """``tensor`` (loaded on the CPU) moved as ``map_location`` asks: a device, or a
+    ``{"from": "to"}`` dict; a function leaves it on the CPU."""
+    if map_location is None or callable(map_location):
+        return tensor
+    if isinstance(map_location, dict):
+        target = map_location.get(str(tensor.device))
+        return tensor if target is None else tensor.to(target)
+    return tensor.to(map_location)
+
+
+def _step_of(checkpoint: dict[str, Any]) -> int:
+    step = checkpoint.get("global_step", 0)
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
+
+
+# -- finding checkpoints -------------------------------------------------------------------
+
+
+def ckpt_folders(directory: Path) -> list[Path]:
+    """The ``*.ckpt`` folders directly in ``directory`` holding a committed checkpoint, the
+    newest first (by step, then commit time; ``last*`` first among equals). Nothing is hashed."""
+    seen: list[Path] = []
+    for _, path, _ in committed(directory):
+        if path not in seen:
+            seen.append(path)
+    return seen
+
+
+def committed(directory: Path) -> list[tuple[tuple[int, str, bool], Path, str]]:
+    """Every committed checkpoint of the ``*.ckpt`` folders in ``directory``, newest first:
+    ``((step, created, is_last), ckpt folder, checkpoint folder name)``. Nothing is hashed."""
+    found: list[tuple[tuple[int, str, bool], Path, str]] = []
+    for path in _ckpt_entries(directory):
+        try:
+            infos = CheckpointStore(str(path), keep=None).list()
+        except CheckpointError:
+            continue
+        last = path.name.startswith("last")
+        found.extend(((i.step, i.created, last), path, i.name) for i in infos)
+    found.sort(key=lambda item: item[0], reverse=True)
+    return found
+
+
+def read_document(path: Path) -> Any:
+    """The ``checkpoint.json`` document (its hash checked) of the newest checkpoint in the
+    ``.ckpt`` folder ``path``, or ``None``."""
+    import json
+
+    name = f"{DOCUMENT}.json"
+    try:
+        store = CheckpointStore(str(path), keep=None)
+        info = store.latest()
+        if info is None or name not in info.manifest.files:
+            return None
+        raw = store.read_files(info.name, {name: info.manifest.files[name]})[name]
+        return json.loads(bytes(raw))
+    except (CheckpointError, OSError, ValueError):
+        return None
+
+
+def _ckpt_entries(directory: Path) -> Iterator[Path]:
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return
+    for path in entries:
+        if path.name.startswith(".") or path.suffix != ".ckpt":
+            continue
+        if path.is_dir() and not path.is_symlink():
+            yield path
+
+
+def _clean_leftovers(directory: Path) -> None:
+    """Remove what a killed save or removal left beside the ``.ckpt`` folders."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith((NEW_MARK, GONE_MARK)) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _plain(path: Any) -> str:
+    """``path`` as a string; a ``file://`` URL as the local path it names."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    return text[len("file://") :] if text.startswith("file://") else text
+
+
+def _is_local(location: str) -> bool:
+    return "://" not in location
+
+
+def _remove_url(location: str) -> None:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(location)
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,70 @@
+"""``last_checkpoint``: the newest Lightning checkpoint that verifies, for ``ckpt_path=``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from nbresume.checkpoint.reading import verify_folder
+from nbresume.checkpoint.store import CheckpointStore
+from nbresume.lightning.checkpoint_io import committed
+
+
+def last_checkpoint(where: Any) -> str | None:
+    """The ``.ckpt`` path of the newest checkpoint that verifies, or ``None``.
+
+    ``last.ckpt`` (any ``last*.ckpt``) comes first when it verifies, as for Lightning's
+    ``ckpt_path="last"``; else the newest other ``.ckpt`` by step.
+
+    ``where`` is a ``Trainer`` (the folders of its ``ModelCheckpoint`` callbacks) or a folder
+    of ``.ckpt`` checkpoints. Every byte of the checkpoint returned was read and matched its
+    manifest; newer ones that do not verify are passed over. Pass the result to
+    ``trainer.fit(..., ckpt_path=...)``: ``None`` starts from scratch.
+    """
+    folders = checkpoint_dirs(where)
+    # ``last*.ckpt`` first, as Lightning's ckpt_path="last": it holds every ModelCheckpoint's
+    # newest state, and a run resumed from another .ckpt would pin that one forever
+    # (ModelCheckpoint never removes the checkpoint a run resumed from).
+    candidates = sorted(
+        (item for folder in folders for item in committed(folder)),
+        key=lambda item: (item[0][2], item[0][0], item[0][1]),
+        reverse=True,
+    )
+    for _, path, name in candidates:
+        if verify_folder(CheckpointStore(str(path), keep=None).backend, name).ok:
+            return str(path)
+    return None
+
+
+def checkpoint_dirs(where: Any) -> list[Path]:
+    """The folders a ``Trainer`` saves its checkpoints to (every version of its logger's
+    folder, since a restarted run logs to a new version), or ``[where]`` for a folder."""
+    if isinstance(where, (str, os.PathLike)):
+        return [Path(os.fspath(where))]
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if not isinstance(where, Trainer):
+        from nbresume.errors import UsageError
+
+        raise UsageError(
+            f"last_checkpoint() takes a Trainer or a folder, not a {type(where).__name__}",
+            where="nbresume.lightning.last_checkpoint",
+            fix="pass the Trainer, or the folder ModelCheckpoint saves to",
+        )
+    folders: list[Path] = []
+    for callback in where.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            folders.append(Path(os.fspath(callback.dirpath)))
+            continue
+        # Not resolved before fit(): where ModelCheckpoint will put them, as Lightning does.
+        if where.loggers:
+            logger = where.loggers[0]
+            base = Path(os.fspath(logger.save_dir or where.default_root_dir))
+            name = logger.name
+            root = base / str(name) if name else base
+            folders.extend(sorted(root.glob("*/checkpoints")))
+        else:
+            folders.append(Path(os.fspath(where.default_root_dir)) / "checkpoints")
+    return folders

@@ -1,0 +1,107 @@
+"""A Lightning run on a simulated Colab: its ``.ckpt`` folders on Google Drive itself.
+
+Google's side (the Drive API server on loopback over a cloud folder) lives in the test process;
+the VM is ``lightning_train.py --drive`` with the stand-in ``google.colab``, whose mount uploads
+with a lag and loses what it has not uploaded when the VM is killed. What the cloud holds is
+read straight from the cloud, never through nbresume's mount.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("googleapiclient", reason="needs google-api-python-client (test extra)")
+pytest.importorskip("colab_standin", reason="needs the google.colab stand-in (scripts/setup)")
+
+import torch
+from colab_standin.cloud import Cloud, copy_tree_out
+from colab_standin.server import DriveServer
+from safetensors.torch import load_file
+
+import nbresume
+
+SCRIPT = Path(__file__).with_name("lightning_train.py")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def cloud(tmp_path: Path) -> Iterator[tuple[Cloud, DriveServer]]:
+    cloud = Cloud(tmp_path / "cloud")
+    server = DriveServer(str(tmp_path / "cloud")).start()
+    try:
+        yield cloud, server
+    finally:
+        server.stop()
+        cloud.close()
+
+
+def vm(tmp: Path, server: DriveServer, name: str, lag: float, kill: str = "") -> int:
+    """A fresh VM (a new process with a new, empty mount over the same cloud) training to
+    the end, or until ``kill``; its exit status."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBRESUME_", "COLAB"))}
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    env.update(
+        COLAB_STANDIN_ROOT=str(tmp / "cloud"),
+        COLAB_STANDIN_API_URL=server.url,
+        COLAB_STANDIN_UPLOAD_LAG_S=str(lag),
+        NBRESUME_DRIVE_API_URL=server.url,
+        # One mount point, as /content/drive on every Colab VM (ModelCheckpoint keeps its
+        # state only when its folder is the same); a new VM starts with it empty.
+        NBRESUME_DRIVE_MOUNT=str(tmp / "drive"),
+        NBRESUME_DRIVE_POLL_S="0.1",
+        NBRESUME_TEST_KILL=kill,
+        OMP_NUM_THREADS="1",
+    )
+    (tmp / name).mkdir()
+    shutil.rmtree(tmp / "drive", ignore_errors=True)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp / "local"), "--epoch-end", "--drive"],
+        env=env, cwd=tmp / name, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode in (0, -9), done.stderr[-3000:]
+    return done.returncode
+
+
+def test_on_drive_every_ckpt_lands_whole_and_a_new_vm_resumes_exactly(
+    cloud: tuple[Cloud, DriveServer], tmp_path: Path
+) -> None:
+    god, server = cloud
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(reference), "--epoch-end"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # VM 1 is killed in the middle of epoch 3, its uploads lagging behind; VM 2, a new
+    # machine with an empty mount, resumes from what Drive holds and trains to the end.
+    assert vm(tmp_path, server, "vm1", 0.5, kill="step:40:0") == -9
+    assert vm(tmp_path, server, "vm2", 0.1) == 0
+    starts = [x for x in (tmp_path / "local" / "events.log").read_text().splitlines()
+              if x.startswith("start ")]  # fmt: skip
+    print(starts)
+    assert starts[0] == "start None"
+    assert starts[1] != "start None"  # resumed from what had reached Drive
+
+    final, expected = (
+        load_file(tmp_path / "local" / "final.safetensors"),
+        load_file(reference / "final.safetensors"),
+    )
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    out = tmp_path / "from-the-cloud"
+    copy_tree_out(god, out)
+    ckpts = out / "lightning-run" / "ckpts"
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert names == sorted(p.name for p in (reference / "ckpts").iterdir())  # nothing hidden
+    for name in names:
+        assert nbresume.verify(ckpts / name).ok, name
+    # Removals went through Drive's API: nothing in the trash using the quota.
+    assert god.usage()[1] == 0
