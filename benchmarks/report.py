@@ -380,7 +380,9 @@ def update_docs(results: dict[str, Any], page: Path) -> None:
         BEGIN,
         "",
         f"`{meta['command']}`, {meta['date']}, {meta['duration_s']:.0f} s; {meta['machine']}; "
-        f"scratch on {meta['file_system']}; {meta['software']}.",
+        f"scratch on {meta['file_system']}; {meta['software']}. Load average (1, 5, 15 min) "
+        f"before the run: {meta['load_before']}, after: {meta['load_after']} (other work shares "
+        "the cores and the disk).",
         "",
         *summary_table(results),
         "",

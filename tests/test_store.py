@@ -465,3 +465,19 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path: Path) -> Non
     assert result["steps"] == [1]
     assert result["verified"] == "OK 1/1, errors 0"
     assert not list(mount_point.iterdir())  # the mount was private to the child
+
+
+def test_a_replaced_copy_of_a_folder_whose_name_holds_dashes_is_put_back_under_that_name(
+    tmp_path: Path,
+) -> None:
+    # A Trainer's checkpoint-12 (nbresume.hf names step folders so): killed between the two
+    # renames of saving step 12 again, the old copy must come back as checkpoint-12.
+    from nbresume.checkpoint.backends.local import LocalStore
+
+    root = tmp_path / "out"
+    aside = root / ".nbresume-old-replaced-checkpoint-12-4242-0badc0de"
+    aside.mkdir(parents=True)
+    (aside / "manifest.json").write_text("{}")
+
+    assert LocalStore(root).recover(current="") == [aside.name]
+    assert os.listdir(root) == ["checkpoint-12"]

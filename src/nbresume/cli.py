@@ -20,7 +20,12 @@ from nbresume.errors import NbresumeError, StorageError, UsageError
 def _cmd_ls(args: argparse.Namespace) -> int:
     from nbresume.checkpoint.store import CheckpointStore
     from nbresume.checkpoint.units import format_bytes
+    from nbresume.frameworks.layout import list_lines, local_kind
 
+    framework = local_kind(args.dir)  # a Trainer's output_dir, a Lightning dirpath
+    if framework is not None:
+        print("\n".join(list_lines(*framework)))
+        return 0
     store = CheckpointStore(args.dir, keep=None)
     infos = store.list()
     # A folder whose manifest cannot be read (not a regular file, or not a manifest) is a
@@ -47,7 +52,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from nbresume.checkpoint.store import CheckpointStore
+    from nbresume.frameworks.layout import local_kind, verify_lines
 
+    framework = local_kind(args.dir)  # a Trainer's output_dir, a Lightning dirpath
+    if framework is not None:
+        lines, ok = verify_lines(*framework)
+        print("\n".join(lines))
+        return 0 if ok else 1
     report = CheckpointStore(args.dir, keep=None).verify()
     for result in report.results:
         print(result)

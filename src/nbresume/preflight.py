@@ -345,6 +345,8 @@ def check_gpu_state(query: GpuQueryRun | None, all_gpus: list[Gpu], gpus: list[G
     continues bit-exactly (see :mod:`nbresume.platforms.nvidia_smi`)."""
     from nbresume.checkpoint.determinism import describe
 
+    if query is not None and not all_gpus:
+        query.cancel()  # not read: its tools must not run on after the report
     if not all_gpus or query is None:
         return []
     checks = [

@@ -54,6 +54,7 @@ from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, open_sto
 from nbresume.checkpoint.store import CheckpointStore, VerifyResult
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CorruptCheckpointError, NbresumeError, StorageError, UsageError
+from nbresume.frameworks.layout import kind_of, pull_refusal
 
 #: Suffix of a file being copied (hidden: it starts with a dot).
 PART_SUFFIX = ".nbresume-part"
@@ -499,6 +500,12 @@ def pull(
     if target.exists() and not target.is_dir():
         raise UsageError("the destination is a file, not a folder", where=dst)
     source = open_source(src, identity=identity)
+    try:
+        framework = kind_of(source.list_folders())  # a Trainer's output_dir, a Lightning dirpath
+    except (OSError, NbresumeError):
+        framework = None  # the pull itself reports a source it cannot list
+    if framework is not None:
+        raise UsageError(pull_refusal(framework), where=src)
     target.mkdir(parents=True, exist_ok=True)
     with _quiet_prefetch_threads():
         return _pull_all(source, target, rate, out)

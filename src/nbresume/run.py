@@ -156,12 +156,12 @@ def init(
     run = Run(name=name, platform=here, dir=target, report=report, keep=keep, seeded=seeded)
     _Latest.run = run
     if not quiet:
-        print(run.summary())
-        from nbresume.notebook import in_notebook, show
+        from nbresume.notebook import in_notebook, setup_panel, show
 
         if in_notebook():  # the setup panel first: Drive, the Kaggle inputs, the clocks
-            from nbresume.notebook import setup_panel
-
+            print(run.summary())
             setup_panel.show(run=run)
+        elif not setup_panel.print_text(run):  # its text, the first time in a process
+            print(run.summary())
         show(run)  # the panel in a notebook, a status line elsewhere (light when neither)
     return run

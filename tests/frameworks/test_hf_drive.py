@@ -165,3 +165,32 @@ def test_a_trainer_checkpoint_is_saved_only_once_drive_has_it_and_keep_1_never_l
     assert second.returncode == 0, err[-3000:]
     assert f"/checkpoint-{max(on_cloud)}\n" in out, out
     assert f"final {final}" in out
+
+
+def test_a_step_saved_again_over_the_scratch_folder_a_killed_vm_left_on_drive(
+    cloud: tuple[Cloud, DriveServer], tmp_path: Path
+) -> None:
+    # A VM killed in the middle of a save leaves checkpoint-4 on Drive without its content
+    # (Drive shows a new file at once, empty until uploaded) and with the folder where the
+    # Trainer's other files waited during the commit: Drive shows a new folder at once and
+    # syncs its removal only later.
+    god, server = cloud
+    run = god.create(god.root_id, RUN, folder=True)
+    folder = god.create(run, "checkpoint-4", folder=True)
+    for name in ("manifest.json", "optimizer.pt"):
+        god.create(folder, name, folder=False)
+    aside = god.create(folder, ".framework", folder=True)
+    god.create(aside, "rng_state.pth", folder=False)
+
+    fresh = vm(tmp_path, server, "vm", 0.2, "--steps", "8")
+    out, err = fresh.communicate(timeout=600)
+    assert fresh.returncode == 0, err[-3000:]
+    assert "resume None" in out  # the damaged checkpoint-4 is passed over
+    assert "final " in out
+    # Step 4 was saved again and verified; what was reported on Drive is there in full, and
+    # the scratch folder went with the old copy (deleted through Drive's API).
+    seen = events(tmp_path / "vm.jsonl")
+    assert {e["step"] for e in seen if e["kind"] == "verified"} == {4, 8}
+    present = landed(god)
+    assert all(present[e["step"]] for e in seen if e["kind"] == "durable")
+    assert not [path for path, _ in god.walk() if ".framework" in path]

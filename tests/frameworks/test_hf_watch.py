@@ -89,3 +89,21 @@ def test_a_notebook_interrupt_stops_after_the_save_and_then_interrupts(tmp_path:
         watch.finish(1, done=False)
     assert signal.getsignal(signal.SIGINT) == before
     assert [i.step for i in watch.store.list()] == [1]
+
+
+def test_save_now_between_cells_says_nothing_is_training_and_names_the_newest(
+    tmp_path: Path,
+) -> None:
+    """A framework saves only inside its loop: the panel's "Save now" between cells answers
+    that, with the newest checkpoint, rather than claiming a save."""
+    from nbresume.errors import UsageError
+
+    watch = Watch(CheckpointStore(tmp_path / "out"), deadline=None, announce=False)
+    with pytest.raises(UsageError) as refused:
+        watch.save(block=True)
+    assert "no training is running" in str(refused.value)
+    assert "there is no checkpoint yet" in str(refused.value)
+    commit(watch, 7)
+    with pytest.raises(UsageError) as refused:
+        watch.save(block=True)
+    assert "the newest checkpoint is step 7" in str(refused.value)

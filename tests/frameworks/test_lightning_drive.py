@@ -25,6 +25,7 @@ import torch
 from colab_standin.cloud import Cloud, copy_tree_out
 from colab_standin.server import DriveServer
 from safetensors.torch import load_file
+from tests.colab.godview import landed
 
 import nbresume
 
@@ -105,3 +106,57 @@ def test_on_drive_every_ckpt_lands_whole_and_a_new_vm_resumes_exactly(
         assert nbresume.verify(ckpts / name).ok, name
     # Removals went through Drive's API: nothing in the trash using the quota.
     assert god.usage()[1] == 0
+
+
+REMOVAL = Path(__file__).with_name("lightning_drive_removal.py")
+
+
+def replace_on_drive(tmp: Path, server: DriveServer, mode: str) -> subprocess.CompletedProcess[str]:
+    """A VM that saves epoch=1.ckpt and removes epoch=0.ckpt (save_top_k=1) while Drive has
+    only epoch=0.ckpt; ``kill``: it dies right after."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBRESUME_", "COLAB"))}
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    env.update(
+        COLAB_STANDIN_ROOT=str(tmp / "cloud"),
+        COLAB_STANDIN_API_URL=server.url,
+        COLAB_STANDIN_UPLOAD_LAG_S="0.1",
+        NBRESUME_DRIVE_API_URL=server.url,
+        NBRESUME_DRIVE_MOUNT=str(tmp / "drive"),
+        NBRESUME_DRIVE_POLL_S="0.1",
+        OMP_NUM_THREADS="1",
+    )
+    return subprocess.run(
+        [sys.executable, str(REMOVAL), mode],
+        env=env, cwd=tmp, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def on_cloud(god: Cloud) -> dict[str, dict[int, bool]]:
+    """{.ckpt: {step: landed whole}} as Drive itself holds them."""
+    found = god.find("lightning-run/ckpts")
+    names = {i.name for f in found for i in god.children(f.id, trashed=False)}
+    return {n: landed(god, ["lightning-run", "ckpts", n]) for n in sorted(names)}
+
+
+def test_save_top_k_never_removes_the_only_checkpoint_drive_has(
+    cloud: tuple[Cloud, DriveServer], tmp_path: Path
+) -> None:
+    god, server = cloud
+    done = replace_on_drive(tmp_path, server, "kill")
+    assert done.returncode == -9, done.stderr[-3000:]
+    # The VM died before Drive had epoch=1.ckpt: Drive still holds epoch=0.ckpt, whole.
+    held = on_cloud(god)
+    assert held.get("epoch=0.ckpt") == {4: True}, held
+    assert not any(held.get("epoch=1.ckpt", {}).values())
+
+
+def test_the_removal_happens_once_drive_confirmed_the_replacement(
+    cloud: tuple[Cloud, DriveServer], tmp_path: Path
+) -> None:
+    god, server = cloud
+    done = replace_on_drive(tmp_path, server, "finish")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kept [] local ['epoch=1.ckpt']" in done.stdout
+    held = on_cloud(god)
+    assert held == {"epoch=1.ckpt": {8: True}}, held
+    assert god.usage()[1] == 0  # removed through Drive's API: nothing in the trash

@@ -107,6 +107,7 @@ class Dataset:
     title: str
     private: bool
     versions: list[dict[str, bytes]] = field(default_factory=list)
+    description: str = ""
 
 
 @dataclass
@@ -369,6 +370,19 @@ class FakeKaggle:
             return 404, {"code": 404, "message": "Dataset not found"}
         return 200, {"status": "ready"}
 
+    def _call_GetDatasetMetadata(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        dataset = self.datasets.get((str(body.get("ownerSlug")), str(body.get("datasetSlug"))))
+        if dataset is None:
+            return 404, {"code": 404, "message": "Dataset not found"}
+        info = {
+            "ownerUser": dataset.owner,
+            "datasetSlug": dataset.slug,
+            "title": dataset.title,
+            "isPrivate": dataset.private,
+            "description": dataset.description,
+        }
+        return 200, {"info": info}
+
     def _call_StartBlobUpload(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         token = secrets.token_hex(8)
         self.blobs[token] = (str(body.get("name", "")), None)
@@ -393,6 +407,7 @@ class FakeKaggle:
         if not files:
             return 200, {"status": "error", "error": "No files were uploaded"}
         dataset = Dataset(owner, slug, str(body.get("title")), bool(body.get("isPrivate")))
+        dataset.description = str(body.get("description") or "")
         dataset.versions.append(files)
         self.datasets[(owner, slug)] = dataset
         return 200, {"status": "ok", "ref": f"{owner}/{slug}", "url": self._dataset_url(dataset)}
@@ -405,6 +420,9 @@ class FakeKaggle:
         if not files:
             return 200, {"status": "error", "error": "No files were uploaded"}
         dataset.versions.append(files)
+        description = (body.get("body") or {}).get("description")
+        if description is not None:  # a version may change the description, or keep it
+            dataset.description = str(description)
         return 200, {
             "status": "ok",
             "ref": f"{dataset.owner}/{dataset.slug}",

@@ -4,6 +4,7 @@ cell installs it from /kaggle/input, on a machine whose image has no nbresume.""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import zipfile
@@ -64,14 +65,27 @@ def test_an_internet_off_commit_attaches_the_wheel_and_the_run_installs_from_it(
     state = version.working / "nbresume/offline/000000000010/state.json"
     assert json.loads(state.read_text())["values"]["total"] == sum(range(10))
 
-    # The next commit uploads a new version of the same dataset.
+    # The dataset says which wheel it holds.
+    assert hashlib.sha256(wheel).hexdigest() in dataset.description
+
+    # The next commit with the same nbresume uploads nothing: the dataset already holds it.
     kaggle_server.execute = False
     again = nbresume(args, cwd=notebook.parent, env=env)
     assert again.code == 0, again.text
-    assert changes(kaggle_server) == ["CreateDataset", "CreateDatasetVersion"]
-    assert len(dataset.versions) == 2
+    assert f"{owner}/nbresume-wheel already holds {wheel_name}: not uploaded again" in again.out
+    assert changes(kaggle_server) == ["CreateDataset"]
+    assert len(dataset.versions) == 1
     metadata = json.loads((notebook.parent / "kernel-metadata.json").read_text())
     assert metadata["dataset_sources"] == [f"{owner}/nbresume-wheel"]  # listed once
+
+    # Another nbresume on Kaggle (an older one, say): the commit uploads a new version.
+    dataset.description = "an nbresume wheel uploaded by an older release\n\nsha256: " + "0" * 64
+    upgraded = nbresume(args, cwd=notebook.parent, env=env)
+    assert upgraded.code == 0, upgraded.text
+    assert f"uploaded {wheel_name} as the private dataset" in upgraded.out
+    assert changes(kaggle_server) == ["CreateDataset", "CreateDatasetVersion"]
+    assert dataset.versions[-1] == {wheel_name: wheel}
+    assert hashlib.sha256(wheel).hexdigest() in dataset.description
 
 
 def test_without_the_wheel_an_install_cell_with_internet_off_is_refused(

@@ -168,3 +168,43 @@ def test_colab_sandbox_keeps_drive_between_runs_without_google_colab(
     assert "first run: ok" in result.out
     assert "checkpoints: MyDrive/nbresume/drive-counter at step 6" in result.out
     assert "smoke: OK" in result.out
+
+
+@pytest.mark.slow
+def test_a_successful_smoke_run_prints_no_error_line(tmp_path: Path, net_log: Path) -> None:
+    """The kernel is shut down right after its last reply; a kernel slow to finish that reply
+    (a loaded machine, here made slow on purpose) must not log a KeyboardInterrupt."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    notebook = folder / "slow_kernel.ipynb"
+    cells = [
+        "import time\n"
+        "kernel = get_ipython().kernel\n"
+        "reply = kernel.shell_handlers['kernel_info_request']\n"
+        "async def slow_reply(*args):\n"
+        "    result = reply(*args)\n"
+        "    if hasattr(result, '__await__'):\n"
+        "        await result\n"
+        "    time.sleep(3)  # still in the handler when the shutdown comes\n"
+        "kernel.shell_handlers['kernel_info_request'] = slow_reply",
+        "import nbresume\nrun = nbresume.init('slow-kernel', internet=False)\n"
+        "ckpt = run.checkpointer(every=None, async_save=False)\nckpt['total'] = 0",
+        "for step in ckpt.steps(10):\n    ckpt['total'] = ckpt['total'] + step",
+    ]
+    notebook.write_text(
+        json.dumps(
+            {
+                "nbformat": 4,
+                "nbformat_minor": 4,
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "cells": [
+                    {"cell_type": "code", "metadata": {}, "source": s, "outputs": []} for s in cells
+                ],
+            }
+        )
+    )
+    result = smoke(tmp_path, notebook, "--platform", "local", "--steps", "2")
+    assert result.code == 0, result.text
+    assert result.out.splitlines()[-1] == "smoke: OK"
+    assert "KeyboardInterrupt" not in result.text
+    assert not [line for line in result.text.splitlines() if "ERROR" in line], result.text

@@ -288,3 +288,89 @@ def test_events_reach_the_tracker_from_the_background_writer(
     assert kinds_seen.last.step == 12
     assert kinds_seen.last.state == "saved"
     assert steps_on_disk(tmp_path / "run")[-1] == 12
+
+
+def safe_line(panel: Panel, confirmed: str, timeout: float = 30) -> str:
+    """The "safe to close the tab" row once it says ``confirmed`` ("true" / "false"); the
+    storage is asked in the background, so this waits for its answer."""
+    deadline = time.monotonic() + timeout
+    while f'data-confirmed="{confirmed}"' not in panel.safe.value:
+        assert time.monotonic() < deadline, panel.safe.value
+        time.sleep(0.02)
+    return panel.safe.value
+
+
+def test_safe_to_close_line_shows_the_local_disk_confirmed(
+    tracker: Tracker, tmp_path: Path
+) -> None:
+    panel = Panel(tracker)
+    tracker.add_view(panel)
+    assert panel.safe.value == ""  # nothing asked before a checkpoint exists
+    model = Model()
+    ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
+    for _ in ckpt.steps(5):
+        model.w += 1
+    line = safe_line(panel, "true")
+    assert 'data-step="5"' in line
+    assert "safe to close the tab" in line
+    assert "not yet" not in line
+    assert "fsynced to the local disk" in line
+
+
+def test_safe_to_close_line_waits_for_a_write_back_store(tracker: Tracker, tmp_path: Path) -> None:
+    panel = Panel(tracker)
+    tracker.add_view(panel)
+    store = WriteBackStore(tmp_path / "drive" / "run")
+    model = Model()
+    ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
+    for _ in ckpt.steps(3):
+        model.w += 1
+    # Verified in the local cache, not yet on Drive: not safe to close the tab.
+    line = safe_line(panel, "false")
+    assert 'data-step="3"' in line
+    assert "not yet safe to close the tab" in line
+    assert "uploading to Drive" in line
+    store.uploaded.set()  # Drive confirms: the durability watch says DURABLE, the panel asks
+    line = safe_line(panel, "true")
+    assert 'data-step="3"' in line
+    assert "not yet" not in line
+    assert "all" in line
+    assert "MD5" in line
+    assert ckpt.durability is not None
+    ckpt.durability.close()
+
+
+class SlowToAnswerStore(LocalStore):
+    """A write-back store whose answer about an upload takes until the test allows it."""
+
+    write_back = True
+    durability_poll_s = 0.02
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.answer = threading.Event()
+
+    def durability(self, folder: str, manifest: Manifest) -> Durability:
+        self.answer.wait(60)
+        return Durability(SAVED)
+
+
+def test_asking_the_storage_never_holds_up_the_training_loop(
+    tracker: Tracker, tmp_path: Path
+) -> None:
+    panel = Panel(tracker)
+    tracker.add_view(panel)
+    store = SlowToAnswerStore(tmp_path / "run")
+    model = Model()
+    ckpt = Checkpointer(store, every=None, keep=None, async_save=False, deadline=None, model=model)
+    # The save in the loop is verified in this thread, and the panel hears of it here: the
+    # question to the storage must go elsewhere, or the loop would wait for the answer.
+    for _ in ckpt.steps(5):
+        model.w += 1
+    assert ckpt.done
+    assert panel.safe.value == ""  # no answer yet, so nothing is claimed
+    store.answer.set()
+    line = safe_line(panel, "true")
+    assert 'data-step="5"' in line
+    assert ckpt.durability is not None
+    ckpt.durability.close()

@@ -118,3 +118,47 @@ def test_one_live_line_on_a_terminal(tmp_path: Path) -> None:
     assert text.count("\n") == 1
     assert text.endswith("\n")
     assert "[" not in text.split("\r")[0]  # no log lines on a terminal
+
+
+def test_init_prints_the_setup_text_once_in_a_terminal(tmp_path: Path) -> None:
+    """Outside a notebook, the first ``init`` prints the summary and the setup panel's text
+    (every check, the clocks); a second ``init`` in the same process the summary alone."""
+    script = tmp_path / "twice.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import nbresume
+
+            nbresume.init("first", dir=sys.argv[1] + "/first", accelerator="gpu")
+            print("-- again")
+            nbresume.init("second", dir=sys.argv[1] + "/second")
+            """
+        )
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("NBRESUME_STRICT", None)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    first, again = proc.stdout.split("-- again\n")
+    lines = first.splitlines()
+    assert lines[0].startswith("nbresume preflight on ")
+    assert lines[1] == f"  run 'first': checkpoints in {tmp_path / 'first'}"
+    # Every check with its state, the failed one with its fix, then the clocks.
+    checks = [line for line in lines if line.startswith(("  ok   ", "  warn ", "  FAIL "))]
+    assert any(line.startswith("  ok   cpu: ") for line in checks)
+    [accelerator] = [line for line in checks if " accelerator: " in line]
+    assert accelerator.startswith("  FAIL accelerator: ")
+    assert "(fix: " in accelerator
+    assert any(line.startswith("  clock ") for line in lines)
+    assert "run folder:" not in first  # said once, by the summary's second line
+    # The second init: the summary alone.
+    assert again.splitlines()[0].startswith("nbresume preflight on ")
+    assert again.splitlines()[1] == f"  run 'second': checkpoints in {tmp_path / 'second'}"
+    assert not any(line.startswith(("  ok   ", "  clock ")) for line in again.splitlines())

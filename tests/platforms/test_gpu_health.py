@@ -292,11 +292,35 @@ def test_doctor_in_a_container_says_the_kernel_log_was_not_read(
 ) -> None:  # type: ignore[no-untyped-def]
     gpu_box(A100, None)
     assert main(["doctor", "--dir", str(tmp_path / "ckpt")]) == 0
-    out = capsys.readouterr().out
+    # The report wraps its lines to the terminal's width: compare words, not line breaks.
+    out = " ".join(capsys.readouterr().out.split())
     assert "gpu memory" in out
     assert "79.1 GiB free of 80.0 GiB" in out
     assert "Xid errors not checked: the kernel log cannot be read" in out
     assert "Operation not permitted" in out
+
+
+def test_a_gpu_query_not_needed_leaves_nothing_running(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # nvidia-smi lists no GPU; its full report would hang. Nothing of the query may run on
+    # after doctor returned: neither the hung report nor a dmesg started later.
+    bin_dir, ran = tmp_path / "gpubin", tmp_path / "ran"
+    write_executable(
+        bin_dir / "nvidia-smi",
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-q" ]; then echo $$ > "{ran / "report"}"; exec sleep 600; fi\n'
+        "echo 'No devices were found' >&2\nexit 6\n",
+    )
+    write_executable(bin_dir / "dmesg", f'#!/bin/sh\ntouch "{ran / "dmesg"}"\n')
+    ran.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert main(["doctor", "--dir", str(tmp_path / "ckpt")]) == 0
+    assert "No devices were found" in " ".join(capsys.readouterr().out.split())
+    if (ran / "report").exists():  # it had started: it was ended, and waited for
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((ran / "report").read_text()), 0)
+    assert not (ran / "dmesg").exists()
 
 
 def test_no_gpu_no_gpu_lines(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

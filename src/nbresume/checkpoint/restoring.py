@@ -127,18 +127,88 @@ def apply(checked: RestorePlan, objects: Mapping[str, Any], pending: dict[str, A
 
 
 def load_object(name: str, obj: Any, tree: Any) -> None:
-    """``obj.load_state_dict(tree)``, its failure named and given a fix."""
+    """``obj.load_state_dict(tree)``, its failure named and given a fix.
+
+    A torch module's parameters and buffers take the checked tensors read from the
+    checkpoint as their storage instead of copying them (:func:`adopt_storages`): a restore
+    reads each byte once, into memory that becomes the module's own. Should the load still
+    fail, each one gets its former storage back.
+    """
+    adopted: list[tuple[Any, Any]] = []
     try:
+        if is_module(obj) and isinstance(tree, Mapping):
+            tree, adopted = adopt_storages(obj, tree)
         obj.load_state_dict(tree)
-    except NbresumeError:
-        raise  # it names what is wrong and the fix already
-    except Exception as exc:
+    except BaseException as exc:
+        for tensor, before in reversed(adopted):
+            tensor.data = before
+        if isinstance(exc, NbresumeError) or not isinstance(exc, Exception):
+            raise  # it names what is wrong and the fix already (or it is an interrupt)
         raise CheckpointError(
             f"restoring {name!r} failed: {exc}",
             where=name,
             fix="the object must be built exactly as in the run that saved it "
             "(same model, optimizer and parameter groups)",
         ) from exc
+
+
+def adopt_storages(module: Any, tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Point each of ``module``'s parameters and buffers at its saved tensor (``tensor.data
+    = saved``) where that is the same as copying it, and return the tree to load (each
+    adopted entry replaced by the live tensor itself, so that ``load_state_dict`` still runs
+    its checks and hooks and copies nothing) with the (tensor, former storage) pairs.
+
+    Only a plain, contiguous host tensor that owns its storage is adopted, from a saved
+    tensor of the same dtype, shape and layout: views into a larger buffer, other layouts
+    (channels_last), shared or pinned memory, devices and tensor subclasses are copied as
+    before, so that nothing the model relies on changes but where its bytes live. A tied
+    weight (one tensor under several names) is adopted once, when its saved copies are
+    equal. The saved tensors were hashed and checked before this runs.
+    """
+    import torch
+
+    plain = (torch.Tensor, torch.nn.Parameter)
+    live = module.state_dict(keep_vars=True)
+    # Storage -> the live tensors on it, and tensor -> the names it is saved under. Only
+    # plain tensors: a subclass (FSDP2's DTensor) may have no storage of its own to ask about.
+    on_storage: dict[int, set[int]] = {}
+    names: dict[int, list[str]] = {}
+    for key, value in live.items():
+        if type(value) in plain and value.device.type == "cpu":
+            on_storage.setdefault(value.untyped_storage().data_ptr(), set()).add(id(value))
+            names.setdefault(id(value), []).append(key)
+    # Saved memory -> the names that hold it: no memory is adopted by two live tensors.
+    holders: dict[int, set[str]] = {}
+    for key, value in tree.items():
+        if type(value) is torch.Tensor:
+            holders.setdefault(value.data_ptr(), set()).add(key)
+    out = dict(tree)
+    adopted: list[tuple[Any, Any]] = []
+    for keys in names.values():
+        target = live[keys[0]]
+        saved: list[Any] = [tree.get(key) for key in keys]
+        last = saved[-1]  # what load_state_dict would leave in a tied weight
+        if (
+            all(type(value) is torch.Tensor for value in saved)
+            and last.device.type == "cpu"
+            and last.dtype == target.dtype
+            and last.shape == target.shape
+            and last.nbytes > 0
+            and not last.requires_grad
+            and last.is_contiguous()
+            and target.is_contiguous()
+            and target.storage_offset() == 0
+            and target.untyped_storage().nbytes() == target.nbytes
+            and len(on_storage[target.untyped_storage().data_ptr()]) == 1
+            and not target.is_shared()  # shared with other processes (Hogwild)
+            and not target.is_pinned()
+            and holders[last.data_ptr()] <= set(keys)
+            and all(torch.equal(value, last) for value in saved[:-1])
+        ):
+            adopted.append((target, target.data))
+            target.data = last
+            out.update(dict.fromkeys(keys, target))
+    return out, adopted
 
 
 def _outside_nbresume() -> int:

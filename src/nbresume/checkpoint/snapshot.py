@@ -96,8 +96,35 @@ class HostBuffers:
         ):
             buffer = host_buffer(source)  # pinned for a CUDA tensor, when pinning works
             self._buffers[slot] = buffer
-        buffer.copy_(source, non_blocking=source.is_cuda)
+        if not copy_in_one_thread(buffer, source):
+            buffer.copy_(source, non_blocking=source.is_cuda)
         return buffer
+
+
+def copy_in_one_thread(buffer: Any, source: Any) -> bool:
+    """Copy a contiguous host tensor into ``buffer`` as one memcpy in this thread; ``False``
+    (nothing copied) for anything else (a GPU tensor, another layout, a conjugate view).
+
+    torch's own ``copy_`` splits a large copy across its intra-op threads, which wait for
+    each other: on a machine whose cores are busy (2 cores, other processes running) copying
+    504 MB that way took 0.15 to 2.8 s, against 0.09 to 0.13 s in one thread.
+    """
+    import numpy as np
+    import torch
+
+    if (
+        source.device.type != "cpu"
+        or type(source) is not torch.Tensor
+        or not source.is_contiguous()
+        or not buffer.is_contiguous()
+        or source.is_conj()
+        or source.is_neg()
+        or source.numel() == 0
+    ):
+        return False
+    target = buffer.reshape(-1).view(torch.uint8).numpy()
+    np.copyto(target, source.reshape(-1).view(torch.uint8).numpy())
+    return True
 
 
 class BackgroundSave:

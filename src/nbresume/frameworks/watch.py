@@ -100,6 +100,8 @@ class Watch:
         self._stop_request = ""
         self._previous: dict[int, Any] | None = None
         self._step_started: float | None = None
+        #: Followers of the other stores a framework saves to (by location), on Drive.
+        self._watchers: dict[str, DurabilityWatcher] = {}
         if announce:
             ev.announce(self)
 
@@ -179,11 +181,19 @@ class Watch:
         return time.monotonic()
 
     def commit(
-        self, step: int, save: SaveFunction, *, started: float | None = None
+        self,
+        step: int,
+        save: SaveFunction,
+        *,
+        started: float | None = None,
+        store: CheckpointStore | None = None,
     ) -> CheckpointInfo:
         """Run one save and report it: ``save_started`` (unless :meth:`save_started` did),
         ``committed``, ``verified`` (or ``failed``, and the error is raised), its cost learnt,
-        and on Google Drive ``syncing`` until the durable store confirms it (then ``durable``)."""
+        and on Google Drive ``syncing`` until the durable store confirms it (then ``durable``).
+
+        ``store`` is where the checkpoint lands when it is not the watch's own store (a
+        framework that writes several checkpoint folders, such as Lightning's ``.ckpt``s)."""
         if started is None:
             started = self.save_started(step)
         try:
@@ -198,9 +208,22 @@ class Watch:
         self.events.emit(
             ev.VERIFIED, info.step, location=info.location, size=info.size, seconds=seconds
         )
-        if self.durability is not None:
-            self.durability.track(info)  # "syncing" until the durable store confirms it
+        self.track(info, store)
         return info
+
+    def track(self, info: CheckpointInfo, store: CheckpointStore | None = None) -> None:
+        """On a write-back store (Google Drive's mount), report ``info`` as ``syncing`` until
+        the durable store confirms it (then ``durable``); elsewhere nothing to follow."""
+        if store is None or store.location == self.store.location:
+            watcher = self.durability
+        elif not store.backend.write_back:
+            watcher = None
+        else:
+            watcher = self._watchers.get(store.location)
+            if watcher is None:
+                watcher = self._watchers[store.location] = DurabilityWatcher(store, self.events)
+        if watcher is not None:
+            watcher.track(info)  # "syncing" until the durable store confirms it
 
     def commit_pending(
         self,
@@ -222,9 +245,17 @@ class Watch:
         """Save now, between cells (the panel's "Save now", ``%nbresume save``): through the
         framework's :attr:`save_now`."""
         if self.save_now is None:
+            latest = self.store.latest()
+            newest = (
+                f"the newest checkpoint is step {latest.step:,}"
+                if latest is not None
+                else "there is no checkpoint yet"
+            )
             raise UsageError(
-                "this training loop cannot be saved from outside it",
-                fix="run the training cell; the panel's Save button then saves at the next step",
+                "no training is running, and this framework saves only from inside its loop; "
+                f"{newest}",
+                where=self.store.location,
+                fix="run the training cell: while it runs, Save now saves at the next step",
             )
         return self.save_now()
 
@@ -276,6 +307,8 @@ class Watch:
             self._previous = None
         if self.durability is not None:
             self.durability.close()
+        for watcher in self._watchers.values():
+            watcher.close()
 
     def __repr__(self) -> str:
         return f"Watch({self.store.location!r}, step={self.step})"

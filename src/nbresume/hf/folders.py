@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 #: The file that lists the framework's files the manifest cannot name, with their hashes.
 FILES_NAME = "nbresume_framework_files.json"
 _READ = 8 << 20
+#: Where the framework's other files wait while the manifest's files are taken in: a folder
+#: beside the pending checkpoint's (its name plus this), inside it in earlier versions.
+ASIDE_NAME = ".framework"
 
 
 class FolderNames:
@@ -217,7 +221,10 @@ def commit_folder(store: CheckpointStore, step: int) -> PendingCheckpoint:
         # commit is gone already (its files were overwritten), and this one is recorded anew.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(folder / stale)
-    names = sorted(p.name for p in folder.iterdir())
+    # nbresume's own scratch folder, left by an earlier commit of this step: Google Drive
+    # brings it back from a VM killed before its removal synced. It stays in the emptied
+    # folder, which the commit replaces (on Drive: deleted through Drive's API).
+    names = sorted(p.name for p in folder.iterdir() if not _is_aside(p))
     for name in names:
         path = folder / name
         if path.is_symlink() or not path.is_file():
@@ -228,6 +235,12 @@ def commit_folder(store: CheckpointStore, step: int) -> PendingCheckpoint:
             )
     pending = store.begin(step)
     target = backend.root / pending.folder
+    # adopt() takes every file of the pending folder, which must be one the manifest can name:
+    # the others step aside while it runs, into a temporary folder beside the pending one.
+    # Not inside it: Google Drive shows a new folder at once and syncs its removal later, so a
+    # VM killed in between would leave it in the checkpoint's folder (a temporary folder left
+    # beside is removed by the next save).
+    aside = backend.root / f"{pending.folder}{ASIDE_NAME}"
     try:
         plain = [n for n in names if is_valid_file_name(n)]
         others = {}
@@ -238,9 +251,6 @@ def commit_folder(store: CheckpointStore, step: int) -> PendingCheckpoint:
                 others[name] = _hash(target / name, md5=store.md5)
         # The emptied folder stays until the commit replaces it: on Google Drive the commit
         # then deletes the copy the mount had uploaded through Drive's API, not into the trash.
-        # adopt() takes every file of the pending folder, which must be one the manifest can
-        # name: the others step aside while it runs.
-        aside = target / ".framework"
         aside.mkdir()
         for name in others:
             os.rename(target / name, aside / name)
@@ -251,8 +261,13 @@ def commit_folder(store: CheckpointStore, step: int) -> PendingCheckpoint:
         pending.write_json(FILES_NAME.removesuffix(".json"), {"files": others})
     except BaseException:
         pending.discard()
+        shutil.rmtree(aside, ignore_errors=True)
         raise
     return pending
+
+
+def _is_aside(path: Path) -> bool:
+    return path.name == ASIDE_NAME and path.is_dir() and not path.is_symlink()
 
 
 def fsync(path: Path) -> None:
@@ -293,6 +308,23 @@ def framework_files(folder: Path) -> dict[str, dict[str, Any]]:
             f"{FILES_NAME} does not list files: {exc}", where=str(folder)
         ) from None
     return dict(files)
+
+
+#: Why a framework folder without a manifest is not a checkpoint to rely on.
+NO_MANIFEST = (
+    "incomplete: it has no manifest.json (its save was cut short, or it was written "
+    "without nbresume.hf.Callback)"
+)
+
+
+def folder_problem(store: CheckpointStore, name: str, info: CheckpointInfo | None) -> str:
+    """What keeps the framework folder ``name`` (the store's name; ``info`` when committed)
+    from being a verified checkpoint: ``""`` when it verifies."""
+    if info is not None:
+        return verify(store, info)
+    if store.has_manifest(name):
+        return "its manifest.json is damaged"
+    return NO_MANIFEST
 
 
 def verify(store: CheckpointStore, info: CheckpointInfo) -> str:

@@ -16,15 +16,11 @@ from nbresume.hf.folders import (
     TRAINER,
     FolderNames,
     commit_folder,
+    folder_problem,
     fsync,
     local_path,
     open_store,
     verify,
-)
-
-_NO_MANIFEST = (
-    "incomplete: it has no manifest.json (its save was cut short, or it was written "
-    "without nbresume.hf.Callback)"
 )
 
 
@@ -49,13 +45,7 @@ def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
         real = names.real(name)
         if not (path / real).is_dir():
             continue  # an older copy moved aside while its step was replaced
-        info = committed.get(name)
-        if info is not None:
-            problem = verify(store, info)
-        elif store.has_manifest(name):
-            problem = "its manifest.json is damaged"
-        else:
-            problem = _NO_MANIFEST
+        problem = folder_problem(store, name, committed.get(name))
         if not problem:
             return str(path / real)
         warnings.warn(

@@ -202,13 +202,37 @@ class Kaggle:
             invalid_sources={k: v for k, v in invalid.items() if v},
         )
 
-    def publish_dataset(self, folder: Path, ref: str, title: str) -> str:
+    def dataset_description(self, ref: str) -> str | None:
+        """The description of the dataset ``ref`` (Kaggle's dataset metadata); ``None`` when
+        the dataset does not exist or the answer has none."""
+        import json
+        import tempfile
+
+        try:
+            with (
+                tempfile.TemporaryDirectory(prefix="nbresume-dataset-") as folder,
+                contextlib.redirect_stdout(io.StringIO()),
+            ):
+                written = self.api.dataset_metadata(ref, folder)
+                document = json.loads(Path(written).read_text(encoding="utf-8"))
+        except Exception as exc:
+            if _is_not_found(exc):
+                return None
+            raise self._translate(exc, f"asking for the dataset {ref}") from None
+        # The client writes the whole answer ({"info": {...}}) or the info alone.
+        info = document.get("info", document) if isinstance(document, dict) else {}
+        description = info.get("description") if isinstance(info, dict) else None
+        return str(description) if description else None
+
+    def publish_dataset(self, folder: Path, ref: str, title: str, description: str = "") -> str:
         """Upload the files of ``folder`` as a new version of the private dataset ``ref``
-        (made by the first upload); return the dataset's URL. ``dataset-metadata.json`` is
-        written into ``folder``."""
+        (made by the first upload), with ``description``; return the dataset's URL.
+        ``dataset-metadata.json`` is written into ``folder``."""
         import json
 
         document = {"id": ref, "title": title, "licenses": [{"name": "other"}]}
+        if description:
+            document["description"] = description
         (folder / "dataset-metadata.json").write_text(json.dumps(document), encoding="utf-8")
         try:
             with contextlib.redirect_stdout(io.StringIO()):

@@ -171,14 +171,20 @@ def _default_kernel(path: Path, dry_run: bool) -> str:
 
 
 def _publish_wheel(kaggle: Kaggle, dataset: str) -> None:
-    """Upload the running nbresume's wheel as a new version of the private ``dataset``."""
+    """Upload the running nbresume's wheel as a new version of the private ``dataset``, unless
+    the dataset already holds this very wheel (its hash is in the dataset's description)."""
     import tempfile
 
-    from nbresume.kaggle.wheel import DATASET_TITLE, build_wheel
+    from nbresume.kaggle import wheel
 
     with tempfile.TemporaryDirectory(prefix="nbresume-wheel-") as folder:
-        built = build_wheel(Path(folder))
-        url = kaggle.publish_dataset(Path(folder), dataset, DATASET_TITLE)
+        built = wheel.build_wheel(Path(folder))
+        digest = wheel.wheel_digest(built)
+        if wheel.described_digest(kaggle.dataset_description(dataset)) == digest:
+            _say(f"the private dataset {dataset} already holds {built.name}: not uploaded again")
+            return
+        description = wheel.describe(built.name, digest)
+        url = kaggle.publish_dataset(Path(folder), dataset, wheel.DATASET_TITLE, description)
     _say(f"uploaded {built.name} as the private dataset {dataset}: {url}")
 
 

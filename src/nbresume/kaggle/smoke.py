@@ -349,10 +349,35 @@ def _run_once(
                 cwd=str(cwd),
                 progress_bar=False,
                 execution_timeout=cell_timeout_s,
+                kernel_manager_class=_kernel_manager_class(),
             )
         except Exception as exc:  # PapermillExecutionError, a dead kernel, a timeout, ...
             failure = _failure(output, exc)
     return _result(sandbox, number, failure, output, started)
+
+
+def _kernel_manager_class() -> type:
+    """jupyter_client's kernel manager, without the interrupt it sends before a shutdown.
+
+    papermill shuts the kernel down right after the reply to its last request, and
+    jupyter_client interrupts a kernel (SIGINT) before asking it to shut down. That signal can
+    reach the kernel while it is still finishing that reply, with Python's SIGINT handler in
+    place: the kernel then logs ``ERROR | KeyboardInterrupt caught in kernel`` in a run that
+    went well. The kernel is idle there, so there is nothing to interrupt; one that is not
+    (a smoke run stopped by Ctrl-C or a timeout) still gets SIGTERM and then SIGKILL from the
+    shutdown, and nbresume's loops save and stop on SIGTERM.
+    """
+    from jupyter_client.manager import AsyncKernelManager
+
+    class _QuietShutdownKernelManager(AsyncKernelManager):
+        async def _async_interrupt_kernel(self) -> None:
+            if self.shutting_down:
+                return
+            await super()._async_interrupt_kernel()
+
+        interrupt_kernel = _async_interrupt_kernel
+
+    return _QuietShutdownKernelManager
 
 
 def _result(

@@ -8,8 +8,10 @@ attaches it to the notebook, and the notebook's install cell installs it from
     wheels = glob.glob("../input/**/nbresume-*.whl", recursive=True)  # cwd: /kaggle/working
     %pip install -q --no-index --no-deps {wheels[-1]}
 
-The wheel is built from the nbresume that runs the command (an editable install included);
-each commit with internet off uploads it as a new version of the dataset. nbresume is pure
+The wheel is built from the nbresume that runs the command (an editable install included),
+with the same bytes for the same files. Its SHA-256 goes into the dataset's description, and a
+commit with internet off uploads a new version of the dataset only when that hash differs:
+committing again with the same nbresume attaches the version already there. nbresume is pure
 Python and needs only ``numpy`` and ``fsspec``, which Kaggle's image has: ``--no-deps``
 installs it offline.
 """
@@ -28,6 +30,32 @@ DATASET_SLUG = "nbresume-wheel"
 DATASET_TITLE = "nbresume wheel"
 #: Zip entries get this date, so that the same files give the same bytes.
 _EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
+_DIGEST_WORD = "sha256:"
+
+
+def wheel_digest(path: Path) -> str:
+    """The SHA-256 of the wheel file, in hex."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def describe(name: str, digest: str) -> str:
+    """The dataset's description: what it is for, and the wheel's hash that the next commit
+    compares (see :func:`described_digest`)."""
+    return (
+        f"{name}, uploaded by `nbresume commit` for notebooks that run with internet off.\n\n"
+        f"{_DIGEST_WORD} {digest}"
+    )
+
+
+def described_digest(description: str | None) -> str | None:
+    """The wheel hash a description written by :func:`describe` holds, else ``None``."""
+    for line in (description or "").splitlines():
+        word, _, value = line.strip().partition(" ")
+        if word == _DIGEST_WORD and len(value.strip()) == 64:
+            return value.strip().lower()
+    return None
 
 
 def _record_hash(data: bytes) -> str:

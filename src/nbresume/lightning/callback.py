@@ -31,10 +31,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nbresume.checkpoint.state import capture_rng, restore_rng
 from nbresume.checkpoint.store import CheckpointStore
-from nbresume.lightning.checkpoint_io import CheckpointIO, ckpt_folders, committed, read_document
+from nbresume.frameworks.layout import committed
+from nbresume.lightning.checkpoint_io import CheckpointIO, ckpt_folders, read_document
 
 log = logging.getLogger("nbresume")
 
+#: Seconds the end of ``fit()`` waits for Google Drive to confirm the newer checkpoints
+#: before the older ones ``save_top_k`` dropped are removed (else they stay until a resume).
+REMOVALS_WAIT_S = 120.0
 #: The key of nbresume's own state (the run's identity, the RNG states) in the checkpoint.
 STATE_KEY = "nbresume"
 
@@ -57,6 +61,9 @@ class Callback(pl.Callback):
         self.announce = announce
         self.run_id = uuid.uuid4().hex
         self.watch: Any = None  # a nbresume.frameworks.watch.Watch while training runs
+        #: The last run's watch, kept so that the panel still shows the run between cells
+        #: (the panel holds it weakly) and its "Save now" answers for it.
+        self._shown: Any = None
         self._rng: dict[str, Any] | None = None
         self._resumed_step: int | None = None
         self._stopped = ""
@@ -119,7 +126,14 @@ class Callback(pl.Callback):
         watch, self.watch = self.watch, None
         if watch is None:
             return
+        self._shown = watch
         self._detach(trainer)
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, CheckpointIO):
+            # On Drive, save_top_k's removals wait for Drive to confirm the newer checkpoints;
+            # a run stopped for a signal or the deadline has no time to wait (the next run
+            # that resumes removes what is left).
+            io.finish_removals(timeout=0 if self._stopped else REMOVALS_WAIT_S)
         if watch.signum == signal.SIGINT:
             watch.signum = None  # an interrupt in a notebook: the cell ends, saved
         try:
@@ -158,7 +172,6 @@ class Callback(pl.Callback):
         watch = Watch(
             CheckpointStore(last_path(trainer)), deadline=self.deadline, announce=self.announce
         )
-        watch.save_now = lambda: None  # between cells there is no live loop to save from
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if total is None:
             try:

@@ -21,16 +21,19 @@ import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
 
+from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.state import flatten, unflatten
 from nbresume.checkpoint.storage import LocalStore
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, UsageError
+from nbresume.frameworks.layout import committed
 
 if TYPE_CHECKING:
     from nbresume.frameworks.watch import Watch
@@ -68,10 +71,15 @@ class CheckpointIO(_LightningCheckpointIO):
             )
         self.keep = keep
         self.md5 = md5
-        #: Set by :class:`nbresume.lightning.Callback` while training runs: each save of
-        #: ``last.ckpt`` is then reported to the panel and the status line, and its cost
-        #: sizes the deadline margin.
+        #: Set by :class:`nbresume.lightning.Callback` while training runs: each save of a
+        #: ``.ckpt`` is then reported to the panel and the status line (on Drive until Drive
+        #: confirms it), and its cost sizes the deadline margin.
         self.watch: Watch | None = None
+        #: The newest save: its ``.ckpt`` path and its checkpoint.
+        self._saved: tuple[str, CheckpointInfo] | None = None
+        #: Removals waiting for Google Drive to confirm their replacement:
+        #: ``(the .ckpt to remove, the replacement's .ckpt, its checkpoint)``.
+        self._deferred: list[tuple[str, str, CheckpointInfo]] = []
 
     # -- save ----------------------------------------------------------------------------
 
@@ -88,6 +96,9 @@ class CheckpointIO(_LightningCheckpointIO):
         document, tensors = encode_checkpoint(checkpoint)
         step = _step_of(checkpoint)
         target = _plain(path)
+        # Saved again: no longer to remove. Removals whose replacement Drive confirmed go now.
+        self._deferred = [d for d in self._deferred if d[0] != target]
+        self._remove_confirmed()
         if not _is_local(target):
             self._save_into(target, step, document, tensors)
             return
@@ -108,26 +119,49 @@ class CheckpointIO(_LightningCheckpointIO):
         # A new .ckpt: build it hidden, rename it into place once its checkpoint verified.
         hidden = final.parent / f"{NEW_MARK}{final.name}-{uuid.uuid4().hex[:8]}"
         try:
-            self._save_into(str(hidden), step, document, tensors)
-            os.rename(hidden, final)
-            _fsync_dir(final.parent)
+            self._save_into(str(hidden), step, document, tensors, final=final)
         finally:
             if hidden.exists():
                 shutil.rmtree(hidden, ignore_errors=True)
 
-    def _save_into(self, location: str, step: int, document: Any, tensors: dict[str, Any]) -> None:
+    def _save_into(
+        self,
+        location: str,
+        step: int,
+        document: Any,
+        tensors: dict[str, Any],
+        *,
+        final: Path | None = None,
+    ) -> None:
+        """Save into the ``.ckpt`` folder ``location``; with ``final``, ``location`` is the
+        hidden folder that becomes ``final`` once its checkpoint verified."""
         store = CheckpointStore(location, keep=self.keep, md5=self.md5)
         with store.begin(step) as pending:
             if tensors:
                 pending.write_tensors(TENSORS, tensors)
             pending.write_json(DOCUMENT, document)
+
+            def save(on_committed: Callable[[CheckpointInfo], None]) -> CheckpointInfo:
+                if final is None:
+                    return pending.commit(on_committed=on_committed)
+                moved = CheckpointStore(str(final), keep=None).backend
+                # Reported under the name the checkpoint has once it is in place.
+                info = pending.commit(
+                    on_committed=lambda i: on_committed(replace(i, location=moved.child(i.name)))
+                )
+                os.rename(location, final)
+                _fsync_dir(final.parent)
+                return replace(info, location=moved.child(info.name))
+
             watch = self.watch
-            # The watch follows one store (last.ckpt's: the panel lists it, and on Drive its
-            # durability is followed there); other .ckpt folders commit on their own.
-            if watch is not None and watch.store.location == store.location:
-                watch.commit_pending(pending)
+            if watch is None:
+                info = save(lambda _: None)
             else:
-                pending.commit()
+                # Every save reaches the panel and the status line; on Drive each .ckpt is
+                # followed until Drive confirms it.
+                landed = CheckpointStore(str(final) if final else location, keep=None)
+                info = watch.commit(step, save, store=landed)
+            self._saved = (_plain(str(final) if final else location), info)
 
     # -- load ----------------------------------------------------------------------------
 
@@ -169,9 +203,69 @@ class CheckpointIO(_LightningCheckpointIO):
         """Remove the ``.ckpt`` folder ``path``: withdrawn from view in one step, then deleted.
 
         ``ModelCheckpoint`` removes a checkpoint only after the one replacing it was saved,
-        and a save returns only once that checkpoint verified.
+        and a save returns only once that checkpoint verified. On Google Drive's mount the
+        removal waits until Drive confirmed that replacement (the newest save): it is done at
+        a later save or removal once Drive did, or by :meth:`finish_removals`; training never
+        waits for it.
         """
         target = _plain(path)
+        self._remove_confirmed()
+        saved = self._saved
+        if saved is not None and saved[0] != target and not self._confirmed(*saved):
+            # A VM that dies before Drive has the newer checkpoint still has this one there.
+            log.info("nbresume: %s is removed once Drive confirms %s", target, saved[0])
+            self._deferred.append((target, *saved))
+            return
+        self._remove(target)
+
+    def finish_removals(self, timeout: float | None = None) -> list[str]:
+        """Do the removals that wait for Google Drive to confirm their replacement, waiting
+        up to ``timeout`` seconds (``None``: as long as it takes) for Drive; return the
+        ``.ckpt`` folders still kept (a later run resumed from this folder removes them)."""
+        import time
+
+        started = time.monotonic()
+        while True:
+            self._remove_confirmed()
+            if not self._deferred:
+                return []
+            left = None if timeout is None else timeout - (time.monotonic() - started)
+            if left is not None and left <= 0:
+                kept = [d[0] for d in self._deferred]
+                log.warning(
+                    "nbresume: Drive has not confirmed the newer checkpoints yet; kept %s",
+                    ", ".join(kept),
+                )
+                return kept
+            poll = CheckpointStore(self._deferred[0][1], keep=None).backend.durability_poll_s
+            time.sleep(poll if left is None else min(poll, left))
+
+    def _remove_confirmed(self) -> None:
+        """Do the deferred removals whose replacement Drive has confirmed."""
+        waiting = []
+        for item in self._deferred:
+            if self._confirmed(item[1], item[2]):
+                self._remove(item[0])
+            else:
+                waiting.append(item)
+        self._deferred = waiting
+
+    @staticmethod
+    def _confirmed(location: str, info: CheckpointInfo) -> bool:
+        """Whether the checkpoint ``info`` of the ``.ckpt`` ``location`` is safe to rely on:
+        always off Drive; on Drive once Drive reports every file (or once it was itself
+        replaced, which retention does only after Drive confirmed the newer one)."""
+        try:
+            backend = CheckpointStore(location, keep=None).backend
+            if not backend.write_back:
+                return True
+            if info.name not in backend.list_folders():
+                return True
+            return backend.durability(info.name, info.manifest).saved
+        except (OSError, CheckpointError):
+            return False
+
+    def _remove(self, target: str) -> None:
         if not _is_local(target):
             store = CheckpointStore(target, keep=None)
             for _, name in store.checkpoint_folders():
@@ -312,21 +406,6 @@ def ckpt_folders(directory: Path) -> list[Path]:
     return seen
 
 
-def committed(directory: Path) -> list[tuple[tuple[int, str, bool], Path, str]]:
-    """Every committed checkpoint of the ``*.ckpt`` folders in ``directory``, newest first:
-    ``((step, created, is_last), ckpt folder, checkpoint folder name)``. Nothing is hashed."""
-    found: list[tuple[tuple[int, str, bool], Path, str]] = []
-    for path in _ckpt_entries(directory):
-        try:
-            infos = CheckpointStore(str(path), keep=None).list()
-        except CheckpointError:
-            continue
-        last = path.name.startswith("last")
-        found.extend(((i.step, i.created, last), path, i.name) for i in infos)
-    found.sort(key=lambda item: item[0], reverse=True)
-    return found
-
-
 def read_document(path: Path) -> Any:
     """The ``checkpoint.json`` document (its hash checked) of the newest checkpoint in the
     ``.ckpt`` folder ``path``, or ``None``."""
@@ -342,18 +421,6 @@ def read_document(path: Path) -> Any:
         return json.loads(bytes(raw))
     except (CheckpointError, OSError, ValueError):
         return None
-
-
-def _ckpt_entries(directory: Path) -> Iterator[Path]:
-    try:
-        entries = sorted(directory.iterdir())
-    except OSError:
-        return
-    for path in entries:
-        if path.name.startswith(".") or path.suffix != ".ckpt":
-            continue
-        if path.is_dir() and not path.is_symlink():
-            yield path
 
 
 def _clean_leftovers(directory: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from nbresume.checkpoint.reading import verify_folder
 from nbresume.checkpoint.store import CheckpointStore
-from nbresume.lightning.checkpoint_io import committed
+from nbresume.frameworks.layout import committed
 
 
 def last_checkpoint(where: Any) -> str | None:

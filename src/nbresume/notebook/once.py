@@ -10,7 +10,9 @@ pass it over.
 On Google Drive's mount a file written lands in a local cache and uploads later: a marker is
 kept only once Drive itself reports it with its size and MD5, so that after a lost VM a cell is
 never skipped whose completion never reached Drive. On an fsspec URL the marker goes through
-the file system given (the one of the run's Checkpointer, with its ``storage_options``).
+the file system given (the one of the run's Checkpointer, with its ``storage_options``);
+``nbresume.init`` takes no ``storage_options``, so before that Checkpointer exists fsspec's own
+configuration (environment variables, config files) applies.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import contextlib
 import html
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -62,8 +63,23 @@ _URGENT = (
 )
 
 
+#: The events after which the panel asks the storage whether the newest checkpoint is there.
+_ASK_STORAGE = (ev.VERIFIED, ev.DURABLE)
+
+
 def _esc(text: object) -> str:
     return html.escape(str(text), quote=True)
+
+
+@dataclass(frozen=True)
+class Safety:
+    """What the storage said, last time the panel asked, about the newest checkpoint of
+    ``folder``: ``confirmed`` or not, with the storage's words."""
+
+    folder: str
+    step: int
+    confirmed: bool
+    text: str
 
 
 class Panel:
@@ -82,6 +98,7 @@ class Panel:
         self.progress = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", width="auto"))
         self.checkpoint = widgets.HTML()
         self.at_risk = widgets.HTML()
+        self.safe = widgets.HTML()
         self.session = widgets.HTML()
         self.clocks = widgets.HTML()
         self.plot = widgets.HTML()
@@ -104,6 +121,7 @@ class Panel:
                 widgets.HBox([self.bar, self.progress]),
                 self.checkpoint,
                 self.at_risk,
+                self.safe,
                 self.session,
                 self.clocks,
                 self.plot,
@@ -118,6 +136,7 @@ class Panel:
         for name in (*names, "message"):
             getattr(self, name).add_class(f"nbresume-{name}")
         self.at_risk.add_class("nbresume-at-risk")
+        self.safe.add_class("nbresume-safe")
         self.widget.add_class("nbresume-panel")
         self.save_button.add_class("nbresume-save")
         self.stop_button.add_class("nbresume-stop")
@@ -129,6 +148,11 @@ class Panel:
         self._metrics_folder = ""
         self._metrics_lock = threading.Lock()  # the writer thread adds, render reads
         self._clocks: tuple[float, list[ClockLine]] | None = None
+        #: The storage's last answer, and the background question's bookkeeping.
+        self.safety: Safety | None = None
+        self._asking = False
+        self._ask_again = False
+        self._ask_lock = threading.Lock()
         self._throttle = Throttle(interval, self.render)
         self.renders = 0
         self.render()
@@ -138,6 +162,8 @@ class Panel:
     def notify(self, event: ev.Event | None) -> None:
         if event is not None and event.kind == ev.VERIFIED:
             self._read_metrics(event.step, str(event.data.get("location") or ""))
+        if event is not None and event.kind in _ASK_STORAGE:
+            self._ask_storage()
         if event is not None and event.kind == ev.STEP:
             # The first step of a loop enables "Stop and save" at once; later ones can wait.
             self._throttle.poke(urgent=self.stop_button.disabled)
@@ -168,6 +194,7 @@ class Panel:
             _set(self.progress, self._progress_html(snap) + self._data_wait_html())
             _set(self.checkpoint, self._checkpoint_html(snap))
             _set(self.at_risk, self._at_risk_html(snap))
+            _set(self.safe, self._safe_html())
             _set(self.session, self._session_html(snap))
             _set(self.clocks, self._clocks_html())
             _set(self.plot, self._plot_html())
@@ -271,6 +298,66 @@ class Panel:
                 f"{_esc(risk.warning)}</span>"
             )
         return html_text
+
+    def _safe_html(self) -> str:
+        """Whether the storage itself has confirmed the newest checkpoint: the moment it is
+        safe to close the tab. Empty until the panel has asked."""
+        ckpt = self.tracker.checkpointer
+        safety = self.safety
+        if ckpt is None or safety is None or safety.folder != str(ckpt.store.location):
+            return ""
+        attrs = f'data-step="{safety.step}" data-confirmed="{str(safety.confirmed).lower()}"'
+        if safety.confirmed:
+            color = _STATE_COLOR[SAVED]
+            text = f"safe to close the tab: {safety.text}"
+        else:
+            color = _STATE_COLOR[SYNCING]
+            text = f"not yet safe to close the tab: {safety.text}"
+        return f'<span {attrs} style="color:{color}">{_esc(text)}</span>'
+
+    # -- asking the storage ----------------------------------------------------------------
+
+    def _ask_storage(self) -> None:
+        """Ask the storage about the newest checkpoint in a thread of its own: the question
+        may be an API call or an fsync, and the writer or the training loop must not wait
+        for it. One question at a time; events meanwhile ask once more after it."""
+        with self._ask_lock:
+            if self._asking:
+                self._ask_again = True
+                return
+            self._asking = True
+        threading.Thread(target=self._ask_loop, name="nbresume-panel-confirm", daemon=True).start()
+
+    def _ask_loop(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a display must never take training down
+                self._ask_once()
+            with self._ask_lock:
+                if not self._ask_again:
+                    self._asking = False
+                    return
+                self._ask_again = False
+
+    def _ask_once(self) -> None:
+        from nbresume.checkpoint.confirm import confirm
+        from nbresume.errors import CheckpointError
+
+        ckpt = self.tracker.checkpointer
+        if ckpt is None:
+            return
+        store = ckpt.store
+        folder = str(store.location)
+        try:
+            found = confirm(store, timeout=0)  # one question, no waiting
+        except CheckpointError as exc:
+            latest = store.latest()
+            step = latest.step if latest is not None else 0
+            # The error reads "step N not confirmed ... after 0 s: <what the storage said>".
+            said = exc.message.partition(" s: ")[2] or exc.message
+            self.safety = Safety(folder, step, False, f"step {step:,}: {said}")
+        else:
+            self.safety = Safety(folder, found.step, True, found.how)
+        self._throttle.poke(urgent=True)
 
     @staticmethod
     def _session_html(snap: Snapshot) -> str:

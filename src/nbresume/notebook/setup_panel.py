@@ -410,6 +410,28 @@ def setup_text(report: Report, run: Run | None = None, platform: Platform | None
     return "\n".join(lines)
 
 
+_PRINTED = threading.Event()
+
+
+def print_text(run: Run) -> bool:
+    """In a terminal: print the run's summary followed by the rest of :func:`setup_text`
+    (every check with its fix, the inputs, the clocks), once per process as the panel is
+    shown once in a notebook. Return whether it printed; the caller prints the summary alone
+    otherwise."""
+    if _PRINTED.is_set():
+        return False
+    _PRINTED.set()
+    try:
+        details = setup_text(run.report, run).splitlines()[1:]  # the summary says the verdict
+    except Exception:  # the first lines of a script must not fail for a display
+        log.exception("nbresume: the setup text failed")
+        return False
+    head = run.summary().splitlines()[: 3 if run.seeded is not None else 2]
+    said = ("  run folder:", "  resumes from step")  # the summary's head says these
+    print("\n".join(head + [line for line in details if not line.startswith(said)]))
+    return True
+
+
 # -- the widget --------------------------------------------------------------------------------
 
 
@@ -661,6 +683,7 @@ __all__ = [
     "drive_facts",
     "input_checkpoints",
     "mount_drive",
+    "print_text",
     "setup_text",
     "show",
 ]

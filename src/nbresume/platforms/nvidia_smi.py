@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -339,18 +339,28 @@ class GpuQuery:
     xid_status: str
 
 
-def _run(command: list[str], timeout: float) -> tuple[str, str]:
-    """``(stdout, "ok")`` or ``("", what went wrong)``."""
+Start = Callable[[list[str]], "subprocess.Popen[str] | None"]
+
+
+def _start(command: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _run(command: list[str], timeout: float, start: Start = _start) -> tuple[str, str]:
+    """``(stdout, "ok")`` or ``("", what went wrong)``; ``start`` starts the process (``None``:
+    not started)."""
     try:
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = start(command)
     except OSError as exc:
         return "", f"{command[0]} could not start: {exc}"
+    if proc is None:
+        return "", f"{command[0]} was not run"
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -366,18 +376,40 @@ def _run(command: list[str], timeout: float) -> tuple[str, str]:
 
 class GpuQueryRun:
     """``nvidia-smi -q -x`` and ``dmesg`` started at construction, read by :meth:`result`,
-    so that they run while other checks do."""
+    so that they run while other checks do; :meth:`cancel` when the answer is not needed."""
 
     def __init__(self, timeout: float = QUERY_TIMEOUT_S) -> None:
         import threading
 
         self.timeout = timeout
         self._result: GpuQuery | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._procs: list[subprocess.Popen[str]] = []
         self._thread = threading.Thread(target=self._query, daemon=True)
         self._thread.start()
 
     def _query(self) -> None:
-        self._result = query(self.timeout)
+        self._result = query(self.timeout, self._start)
+
+    def _start(self, command: list[str]) -> subprocess.Popen[str] | None:
+        with self._lock:
+            if self._cancelled:
+                return None
+            proc = _start(command)
+            self._procs.append(proc)
+            return proc
+
+    def cancel(self) -> None:
+        """End the tool running now and start no other: nothing of the query outlives the
+        caller (a thread starting ``dmesg`` later, or a hung ``nvidia-smi`` left running)."""
+        with self._lock:
+            self._cancelled = True
+            for proc in self._procs:
+                if proc.poll() is None:
+                    with contextlib.suppress(OSError):
+                        proc.kill()
+        self._thread.join(self.timeout + 1.0)
 
     def result(self) -> GpuQuery:
         self._thread.join(self.timeout * 2 + 1.0)
@@ -386,12 +418,12 @@ class GpuQueryRun:
         return self._result
 
 
-def query(timeout: float = QUERY_TIMEOUT_S) -> GpuQuery:
+def query(timeout: float = QUERY_TIMEOUT_S, start: Start = _start) -> GpuQuery:
     """Run ``nvidia-smi -q -x`` and ``dmesg`` (each at most ``timeout`` seconds) and parse."""
     binary = shutil.which("nvidia-smi")
     if binary is None:
         return GpuQuery([], "not found", None, "")
-    out, status = _run([binary, "-q", "-x"], timeout)
+    out, status = _run([binary, "-q", "-x"], timeout, start)
     gpus: list[GpuStatus] = []
     if status == "ok":
         try:
@@ -401,7 +433,7 @@ def query(timeout: float = QUERY_TIMEOUT_S) -> GpuQuery:
     dmesg = shutil.which("dmesg")
     if dmesg is None:
         return GpuQuery(gpus, status, None, "dmesg not found")
-    log, xid_status = _run([dmesg], timeout)
+    log, xid_status = _run([dmesg], timeout, start)
     if xid_status != "ok":
         # Containers (Colab, Kaggle) usually may not read the kernel log.
         return GpuQuery(gpus, status, None, f"the kernel log cannot be read ({xid_status})")

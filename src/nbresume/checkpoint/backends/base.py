@@ -206,7 +206,9 @@ def replaced_step(name: str) -> str | None:
     of the same step was being committed (``None`` for any other name)."""
     if not name.startswith(REPLACED_PREFIX):
         return None
-    return name[len(REPLACED_PREFIX) :].split("-", 1)[0]
+    # The name ends with "-<pid>-<token>" (_token); the step's folder name may hold dashes
+    # itself (a Trainer's "checkpoint-12").
+    return name[len(REPLACED_PREFIX) :].rsplit("-", 2)[0]
 
 
 def _token() -> str:

@@ -29,6 +29,7 @@ from nbresume.checkpoint.backends.base import (
     Backend,
     FreeSpace,
     _token,
+    replaced_step,
 )
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
 from nbresume.errors import StorageError
@@ -204,7 +205,7 @@ class LocalStore(Backend):
             if name == current or not name.startswith((TEMP_PREFIX, RETIRED_PREFIX)):
                 continue
             if name.startswith(REPLACED_PREFIX):
-                final = name[len(REPLACED_PREFIX) :].split("-", 1)[0]
+                final = replaced_step(name) or ""
                 if not (self.root / final).exists() and (self.root / name / MANIFEST_NAME).exists():
                     self.files.rename(self.root / name, self.root / final)
                     self.files.sync_folder(self.root)

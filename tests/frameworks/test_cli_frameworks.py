@@ -1,0 +1,159 @@
+"""``nbresume ls`` / ``verify`` / ``pull`` pointed at a framework's folder: a Trainer's
+``output_dir`` (``checkpoint-N``) or a Lightning ``ModelCheckpoint`` folder (``.ckpt``)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nbresume.checkpoint.store import CheckpointStore
+from nbresume.cli import main
+from nbresume.hf.folders import commit_folder, open_store
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def safetensors_bytes(data: bytes) -> bytes:
+    """A safetensors file of one uint8 tensor (the format written by hand: no torch)."""
+    header = json.dumps(
+        {"w": {"dtype": "U8", "shape": [len(data)], "data_offsets": [0, len(data)]}}
+    )
+    raw = header.encode() + b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def trainer_checkpoint(output_dir: Path, step: int, *, commit: bool = True) -> Path:
+    """What the Trainer writes into ``checkpoint-<step>`` (weights, its state, a pickled
+    optimizer), committed as ``nbresume.hf.Callback`` does at ``on_save``."""
+    folder = output_dir / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(safetensors_bytes(bytes([step]) * 64))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (folder / "optimizer.pt").write_bytes(pickle.dumps({"step": step}))
+    if commit:
+        commit_folder(open_store(output_dir), step).commit()
+    return folder
+
+
+def test_verify_and_ls_read_a_trainer_output_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    trainer_checkpoint(out, 2)
+    trainer_checkpoint(out, 4)
+    code, text, _ = run(["verify", str(out)], capsys)
+    assert code == 0, text
+    assert "Hugging Face Trainer checkpoints" in text
+    assert "OK    checkpoint-2  step 2" in text
+    assert "OK    checkpoint-4  step 4" in text
+    assert "OK 2/2, errors 0" in text
+
+    code, text, _ = run(["ls", str(out)], capsys)
+    assert code == 0
+    assert "checkpoint-4" in text
+    assert "2 checkpoint(s)" in text
+
+    # A checkpoint written without the callback cannot be verified: said so, and it fails.
+    trainer_checkpoint(out, 6, commit=False)
+    code, text, _ = run(["ls", str(out)], capsys)
+    assert "NOT COMMITTED checkpoint-6 (step 6): incomplete: it has no manifest.json" in text
+    code, text, _ = run(["verify", str(out)], capsys)
+    assert code == 1
+    assert "FAIL  checkpoint-6  incomplete: it has no manifest.json" in text
+
+
+def test_verify_names_a_damaged_framework_file_of_a_trainer_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    trainer_checkpoint(out, 2)
+    folder = trainer_checkpoint(out, 4)
+    damaged = bytearray((folder / "optimizer.pt").read_bytes())
+    damaged[-2] ^= 0x01  # one bit, the size unchanged
+    (folder / "optimizer.pt").write_bytes(bytes(damaged))
+    code, text, _ = run(["verify", str(out)], capsys)
+    assert code == 1
+    assert "OK    checkpoint-2" in text
+    assert "FAIL  checkpoint-4  optimizer.pt" in text
+
+
+def test_pull_of_a_trainer_output_dir_says_what_it_sees_and_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    trainer_checkpoint(out, 2)
+    code, _, err = run(["pull", str(out), str(tmp_path / "copy")], capsys)
+    assert code == 2
+    assert "Hugging Face Trainer checkpoints" in err
+    assert "nbresume verify" in err
+    assert not (tmp_path / "copy").exists()  # nothing half-copied
+
+
+def test_verify_and_ls_read_a_lightning_checkpoint_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("lightning")
+    import torch
+
+    import nbresume.lightning
+
+    ckpts = tmp_path / "ckpts"
+    io = nbresume.lightning.CheckpointIO()
+    for name, step in (("epoch=0-step=4.ckpt", 4), ("last.ckpt", 4), ("last.ckpt", 8)):
+        io.save_checkpoint({"global_step": step, "w": torch.full((8,), float(step))}, ckpts / name)
+    code, text, _ = run(["verify", str(ckpts)], capsys)
+    assert code == 0, text
+    assert "Lightning checkpoints" in text
+    assert "OK    epoch=0-step=4.ckpt  step 4" in text
+    assert "OK    last.ckpt  step 8" in text
+    code, text, _ = run(["ls", str(ckpts)], capsys)
+    assert "last.ckpt" in text
+    assert "2 checkpoint(s)" in text
+
+    # A pickled .ckpt (Lightning without the plugin): never opened, and the way over named.
+    torch.save({"global_step": 1}, ckpts / "old.ckpt")
+    tensors = next((ckpts / "last.ckpt").glob("*/tensors.safetensors"))
+    damaged = bytearray(tensors.read_bytes())
+    damaged[-1] ^= 0x01
+    tensors.write_bytes(bytes(damaged))
+    code, text, _ = run(["verify", str(ckpts)], capsys)
+    assert code == 1
+    assert "FAIL  last.ckpt" in text
+    assert "FAIL  old.ckpt" in text
+    assert "convert-lightning" in text
+
+
+def test_reading_a_framework_folder_imports_neither_framework(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    trainer_checkpoint(out, 2)
+    (tmp_path / "ckpts" / "last.ckpt").mkdir(parents=True)
+    code = (
+        "import sys\n"
+        "from nbresume.cli import main\n"
+        f"main(['verify', {str(out)!r}]); main(['ls', {str(tmp_path / 'ckpts')!r}])\n"
+        "assert not {'lightning', 'transformers', 'torch'} & set(sys.modules), 'imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "OK    checkpoint-2" in done.stdout
+
+
+def test_an_nbresume_folder_is_read_as_before(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = CheckpointStore(tmp_path / "run", keep=None)
+    store.save(3, data={"x": 1})
+    code, text, _ = run(["verify", str(tmp_path / "run")], capsys)
+    assert code == 0
+    assert "Trainer" not in text
+    assert "Lightning" not in text
