@@ -3,14 +3,11 @@ a fresh run, then the same notebook again, which resumes from the newest verifie
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from papermill_run import environment, execute
 
 pytest.importorskip("transformers")
 pytest.importorskip("papermill")
@@ -19,63 +16,18 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "hf_trainer_quick
 pytestmark = pytest.mark.slow
 
 
-def environment(tmp: Path) -> dict[str, str]:
-    """No platform markers, Jupyter's and Hugging Face's folders under ``tmp``, no network."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("NBRESUME_", "COLAB", "KAGGLE")) and k != "JPY_PARENT_PID"
-    }
-    kernel = tmp / "jupyter" / "kernels" / "python3"
-    kernel.mkdir(parents=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    (kernel / "kernel.json").write_text(
-        json.dumps({"argv": argv, "display_name": "Python 3", "language": "python"})
-    )
-    for name in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
-        (tmp / name).mkdir()
-        env[name] = str(tmp / name)
-    env.update(
-        JUPYTER_PATH=str(tmp / "jupyter"),
-        JUPYTER_DATA_DIR=str(tmp / "jupyter"),
-        JUPYTER_PLATFORM_DIRS="1",
-        CUDA_VISIBLE_DEVICES="",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_HOME=str(tmp / "hf-home"),
-        NBRESUME_HOME=str(tmp / "home"),
-        NBRESUME_PROBE_HOST="127.0.0.1",
-        NBRESUME_PROBE_PORT="9",
-        NBRESUME_COLAB_MARKER=str(tmp / "no-colab-marker"),
-        NBRESUME_KAGGLE_ROOT=str(tmp / "no-kaggle"),
-        OMP_NUM_THREADS="1",
-    )
-    return env
-
-
-def execute(tmp: Path, output: Path, env: dict[str, str]) -> str:
-    """Run the notebook with small settings; the text of every output."""
+def run(tmp: Path, output: Path, env: dict[str, str]) -> str:
     parameters = {"steps": 24, "save_steps": 8, "folder": str(tmp / "run")}
-    done = subprocess.run(
-        [sys.executable, "-m", "papermill", str(NOTEBOOK), str(output), "-y",
-         json.dumps(parameters), "--cwd", str(tmp), "--no-progress-bar", "--start-timeout",
-         "120", "--execution-timeout", "300"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    notebook = json.loads(output.read_text())
-    return "\n".join(
-        "".join(out.get("text", ""))
-        for cell in notebook["cells"]
-        for out in cell.get("outputs", [])
-    )
+    return execute(NOTEBOOK, tmp, output, env, parameters)
 
 
 def test_the_quickstart_trains_and_a_rerun_resumes_from_its_verified_checkpoint(
     tmp_path: Path,
 ) -> None:
-    env = environment(tmp_path)
-    first = execute(tmp_path, tmp_path / "first.ipynb", env)
+    env = environment(
+        tmp_path, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home")
+    )
+    first = run(tmp_path, tmp_path / "first.ipynb", env)
     assert "training from the start" in first
     assert "trained to step 24 of 24" in first
     newest = tmp_path / "run" / "checkpoint-24"
@@ -87,6 +39,6 @@ def test_the_quickstart_trains_and_a_rerun_resumes_from_its_verified_checkpoint(
     weights = re.search(r"weights sha256: ([0-9a-f]{64})", first)
     assert weights is not None
 
-    again = execute(tmp_path, tmp_path / "again.ipynb", env)
+    again = run(tmp_path, tmp_path / "again.ipynb", env)
     assert f"resuming from {newest}" in again
     assert f"weights sha256: {weights.group(1)}" in again
