@@ -481,3 +481,31 @@ def test_a_replaced_copy_of_a_folder_whose_name_holds_dashes_is_put_back_under_t
 
     assert LocalStore(root).recover(current="") == [aside.name]
     assert os.listdir(root) == ["checkpoint-12"]
+
+
+def test_verify_says_a_checkpoint_deleted_while_it_was_read_is_gone_not_damaged(
+    tmp_path: Path,
+) -> None:
+    # `nbresume verify` on a folder whose writer is training: the writer's retention deletes
+    # the oldest checkpoint between the verifier's listing and its reading.
+    import shutil
+
+    from nbresume.checkpoint.backends.local import LocalStore
+
+    root = tmp_path / "run"
+
+    class RetentionMeanwhile(LocalStore):
+        def open_read(self, folder: str, name: str):  # type: ignore[no-untyped-def]
+            if folder == step_dirname(1) and (root / folder).exists():
+                shutil.rmtree(root / folder)  # what the writer's retention does
+            return super().open_read(folder, name)
+
+    writer = CheckpointStore(root, keep=None)
+    for step in (1, 2):
+        writer.save(step, tensors={"model": {"w": torch.full((3,), float(step))}})
+
+    report = CheckpointStore(RetentionMeanwhile(root), keep=None).verify()
+
+    assert report.removed == (step_dirname(1),)
+    assert [r.step for r in report.results] == [2]
+    assert report.ok

@@ -65,6 +65,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if report.uncommitted:
         names = ", ".join(report.uncommitted)
         print(f"(not checkpoints: {names}: a save that never committed; the next save cleans it)")
+    if report.removed:
+        names = ", ".join(report.removed)
+        print(f"(removed while being read: {names}: the folder's writer keeps only the newest)")
     if not report.results:
         print(f"no checkpoints in {report.location}: nothing verified")
         return 1

@@ -59,6 +59,9 @@ class VerifyReport:
     #: Step folders without a manifest: saves that never committed (on an object store, what
     #: an interrupted write leaves until the next save cleans it). Not checkpoints, not errors.
     uncommitted: tuple[str, ...] = ()
+    #: Checkpoints that were deleted while they were being read: the folder's writer applied
+    #: its retention meanwhile (``keep``). Gone, not damaged: neither checked nor errors.
+    removed: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -203,15 +203,21 @@ class CheckpointStore:
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """Read back every checkpoint (or the one of ``step``) and compare it with its manifest."""
-        results, uncommitted = [], []
+        results, uncommitted, removed = [], [], []
         for found_step, name in reversed(self.checkpoint_folders()):
             if step is not None and found_step != step:
                 continue
             if self.has_manifest(name):
-                results.append(verify_folder(self.backend, name))
+                result = verify_folder(self.backend, name)
+                if not result.ok and not self.has_manifest(name):
+                    # A running writer's retention deleted it while it was read (a reader
+                    # takes no lease): the checkpoint is gone, not damaged.
+                    removed.append(name)
+                    continue
+                results.append(result)
             else:
                 uncommitted.append(name)
-        return VerifyReport(self.location, tuple(results), tuple(uncommitted))
+        return VerifyReport(self.location, tuple(results), tuple(uncommitted), tuple(removed))
 
     def load(
         self,
