@@ -72,6 +72,25 @@ def test_verify_and_ls_read_a_trainer_output_dir(
     assert "FAIL  checkpoint-6  incomplete: it has no manifest.json" in text
 
 
+def test_a_temporary_file_a_killed_save_left_is_no_part_of_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # safetensors writes through a hidden temporary file: a kill in the middle of the Trainer's
+    # save leaves an empty .tmpXXXXXX in checkpoint-N, which the rerun saves into again.
+    out = tmp_path / "out"
+    folder = trainer_checkpoint(out, 8, commit=False)
+    (folder / ".tmpy8qbCO").write_bytes(b"")
+    commit_folder(open_store(out), 8).commit()
+    assert not (folder / ".tmpy8qbCO").exists()
+    assert (
+        "optimizer.pt"
+        in json.loads((folder / "nbresume_framework_files.json").read_text())["files"]
+    )
+    code, text, _ = run(["verify", str(out)], capsys)
+    assert code == 0, text
+    assert "OK    checkpoint-8  step 8" in text
+
+
 def test_verify_names_a_damaged_framework_file_of_a_trainer_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

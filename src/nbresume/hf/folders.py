@@ -224,7 +224,9 @@ def commit_folder(store: CheckpointStore, step: int) -> PendingCheckpoint:
     # nbresume's own scratch folder, left by an earlier commit of this step: Google Drive
     # brings it back from a VM killed before its removal synced. It stays in the emptied
     # folder, which the commit replaces (on Drive: deleted through Drive's API).
-    names = sorted(p.name for p in folder.iterdir() if not _is_aside(p))
+    # A hidden file is no part of the checkpoint: the temporary file of a write that a kill cut
+    # short (safetensors' ``.tmpXXXXXX``) stays in the emptied folder with the scratch folder.
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     for name in names:
         path = folder / name
         if path.is_symlink() or not path.is_file():
@@ -264,10 +266,6 @@ def commit_folder(store: CheckpointStore, step: int) -> PendingCheckpoint:
         shutil.rmtree(aside, ignore_errors=True)
         raise
     return pending
-
-
-def _is_aside(path: Path) -> bool:
-    return path.name == ASIDE_NAME and path.is_dir() and not path.is_symlink()
 
 
 def fsync(path: Path) -> None:
