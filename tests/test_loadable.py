@@ -32,6 +32,7 @@ from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.format import MANIFEST_NAME, FileEntry, parse_manifest, step_dirname
+from nbresume.checkpoint.hashing import new_hash
 from nbresume.cli import main
 from nbresume.errors import CheckpointError
 from nbresume.pull import SAFE_LINE
@@ -96,13 +97,17 @@ def reseal(folder: Path) -> None:
     manifest = parse_manifest(path.read_bytes(), where=str(path))
     files = {}
     for name, entry in manifest.files.items():
-        sha, md5, size = hashlib.sha256(), hashlib.md5(usedforsecurity=False), 0
+        digest, size = new_hash(entry.algorithm), 0
+        md5 = hashlib.md5(usedforsecurity=False) if entry.md5 else None
         with open(folder / name, "rb") as handle:
             while chunk := handle.read(8 << 20):
-                sha.update(chunk)
-                md5.update(chunk)
+                digest.update(chunk)
+                if md5 is not None:
+                    md5.update(chunk)
                 size += len(chunk)
-        files[name] = FileEntry(size, sha.hexdigest(), md5.hexdigest() if entry.md5 else None)
+        files[name] = FileEntry(
+            size, digest.hexdigest(), md5 and md5.hexdigest(), algorithm=entry.algorithm
+        )
     resealed = type(manifest)(
         step=manifest.step,
         files=files,

@@ -188,8 +188,13 @@ def check_run(run: Run, resume: int, context: Callable[[], str]) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "options"),
-    [("steps", []), ("epochs", []), ("steps", ["--sync"])],
-    ids=["steps-async", "epochs-async", "steps-sync"],
+    [
+        pytest.param("steps", [], id="steps-async"),
+        # Epoch loops killed at random points are covered by tests/test_loop_shapes.py in the
+        # default suite; this longer run of three kills goes with the torture runs.
+        pytest.param("epochs", [], id="epochs-async", marks=pytest.mark.torture),
+        pytest.param("steps", ["--sync"], id="steps-sync"),
+    ],
 )
 def test_sigkill_three_times_then_finish_bit_exact(
     run_dir: Path, resume_rng: SeededRandom, reference: Reference, mode: str, options: list[str]
