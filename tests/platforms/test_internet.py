@@ -6,7 +6,7 @@ whose connections hang; no test here reaches the real network.
 
 from __future__ import annotations
 
-import time
+import re
 
 import pytest
 from tests.platforms.conftest import LoopbackServer
@@ -52,16 +52,14 @@ def test_a_name_that_does_not_resolve_is_off(monkeypatch: pytest.MonkeyPatch) ->
     assert "cannot resolve bad..name" in check.seen
 
 
+@pytest.mark.timeout(30)
 def test_a_hanging_connection_does_not_hold_the_preflight(internet_hangs: int) -> None:
-    started = time.monotonic()
-    report = nbresume.preflight(internet=True)
-    elapsed = time.monotonic() - started
-    check = report["internet"]
+    # The connection would hang for minutes: the test's timeout fails it if the report waits
+    # for that. (How long the preflight takes is measured in benchmarks/bench_preflight.py.)
+    check = nbresume.preflight(internet=True)["internet"]
     assert check.status == "fail"
-    assert "no answer" in check.seen or "timed out" in check.seen
-    # The connection would hang for minutes; the report must not. (The product target is
-    # under 2 s, measured in benchmarks/bench_preflight.py; this bound absorbs machine noise.)
-    assert elapsed < 5.0
+    # Either the probe's own wait ran out or the connection attempt's 1 s timeout did.
+    assert re.search(r"no answer from .* within 1 s|cannot connect to .*: timed out", check.seen)
 
 
 def test_a_hung_probe_answers_no_answer_when_its_wait_is_over(internet_hangs: int) -> None:
