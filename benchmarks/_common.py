@@ -10,7 +10,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,46 @@ def timed(run: Callable[[], Any]) -> float:
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def timing(into: list[float]) -> Iterator[None]:
+    """Append the seconds the ``with`` block took to ``into`` (nothing when it raised)."""
+    start = time.perf_counter()
+    yield
+    into.append(time.perf_counter() - start)
+
+
+def measured(measure: Callable[[], dict[str, Any]], scratch: Path, command: str) -> dict[str, Any]:
+    """``measure()``'s result, run with its files below ``scratch``, and under ``"meta"`` the
+    conditions it ran in: the command, the machine, the file system, the load before and
+    after, the date (:func:`conditions` writes them as a line)."""
+    meta = {
+        "command": command,
+        "machine": machine(),
+        "file_system": file_system(scratch.parent if scratch.parent.exists() else Path(".")),
+        "load_before": load_average(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    scratch.mkdir(parents=True, exist_ok=True)
+    result = measure()
+    meta["load_after"] = load_average()
+    return {"meta": meta, **result}
+
+
+def conditions(meta: dict[str, Any]) -> str:
+    """The line of a results page that says how and where :func:`measured` ran."""
+    return (
+        f"Machine: {meta['machine']}; file system: {meta['file_system']}; load "
+        f"{meta['load_before']} before, {meta['load_after']} after; {meta['date']}."
+    )
+
+
+def publish(page: str, results: Path) -> None:
+    """Print a results page and write it to ``results``."""
+    print(page)
+    results.parent.mkdir(exist_ok=True)
+    results.write_text(page)
 
 
 def child_env() -> dict[str, str]:

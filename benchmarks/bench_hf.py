@@ -21,12 +21,10 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import file_system, load_average, machine
+from benchmarks._common import conditions, measured, publish, timing
 
 RESULTS = Path(__file__).with_name("results") / "hf.md"
 
@@ -51,15 +49,13 @@ def measure(hidden: int, layers: int, saves: int, scratch: Path) -> dict[str, An
 
     class TimedTrainer(Trainer):  # type: ignore[misc]
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
-            started = time.perf_counter()
-            super()._save_checkpoint(model, trial)
-            trainer_s.append(time.perf_counter() - started)
+            with timing(trainer_s):
+                super()._save_checkpoint(model, trial)
 
     class TimedCallback(nbresume.hf.Callback):  # type: ignore[misc,name-defined]
         def on_save(self, *args: Any, **kwargs: Any) -> None:
-            started = time.perf_counter()
-            super().on_save(*args, **kwargs)
-            commit_s.append(time.perf_counter() - started)
+            with timing(commit_s):
+                super().on_save(*args, **kwargs)
 
     rows = 64
     g = torch.Generator().manual_seed(0)
@@ -107,8 +103,7 @@ def render(result: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         f"Command: `{meta['command']}`",
         "",
-        f"Machine: {meta['machine']}; file system: {meta['file_system']}; load "
-        f"{meta['load_before']} before, {meta['load_after']} after; {meta['date']}.",
+        conditions(meta),
         "",
         f"One checkpoint: {result['bytes'] / 1e6:.1f} MB (model, optimizer, scheduler, RNG, "
         "trainer state).",
@@ -127,17 +122,8 @@ def render(result: dict[str, Any], meta: dict[str, Any]) -> str:
 
 def run(hidden: int, layers: int, saves: int, scratch: Path, command: str) -> tuple[str, dict]:
     """Every measurement; the page and the raw numbers."""
-    meta = {
-        "command": command,
-        "machine": machine(),
-        "file_system": file_system(scratch.parent if scratch.parent.exists() else Path(".")),
-        "load_before": load_average(),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-    scratch.mkdir(parents=True, exist_ok=True)
-    result = measure(hidden, layers, saves, scratch)
-    meta["load_after"] = load_average()
-    return render(result, meta), {"meta": meta, **result}
+    result = measured(lambda: measure(hidden, layers, saves, scratch), scratch, command)
+    return render(result, result["meta"]), result
 
 
 def main() -> None:
@@ -153,9 +139,7 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory(prefix="bench-hf-", dir=args.dir) as scratch:
         page, _ = run(args.hidden, args.layers, args.saves, Path(scratch) / "hf", command)
-    print(page)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(page)
+    publish(page, RESULTS)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,10 @@ import argparse
 import shutil
 import statistics
 import tempfile
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import file_system, load_average, machine
+from benchmarks._common import conditions, measured, publish, timing
 
 RESULTS = Path(__file__).with_name("results") / "lightning.md"
 
@@ -71,30 +69,25 @@ def measure(mb: float, reps: int, scratch: Path) -> dict[str, Any]:
     torch_io = TorchCheckpointIO()
     for rep in range(reps):
         path = scratch / f"nbresume-{rep}.ckpt"
-        started = time.perf_counter()
-        nbresume_io.save_checkpoint(state, path)
-        times["nbresume_save"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        nbresume_io.load_checkpoint(path)
-        times["nbresume_load"].append(time.perf_counter() - started)
+        with timing(times["nbresume_save"]):
+            nbresume_io.save_checkpoint(state, path)
+        with timing(times["nbresume_load"]):
+            nbresume_io.load_checkpoint(path)
         nbresume_io.remove_checkpoint(path)
 
         path = scratch / f"torch-{rep}.ckpt"
-        started = time.perf_counter()
-        torch_io.save_checkpoint(state, path)
-        times["torch_save"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        torch_io.load_checkpoint(path, weights_only=False)
-        times["torch_load"].append(time.perf_counter() - started)
+        with timing(times["torch_save"]):
+            torch_io.save_checkpoint(state, path)
+        with timing(times["torch_load"]):
+            torch_io.load_checkpoint(path, weights_only=False)
         torch_io.remove_checkpoint(path)
 
         async_io = AsyncCheckpointIO(TorchCheckpointIO())
         path = scratch / f"async-{rep}.ckpt"
-        started = time.perf_counter()
-        async_io.save_checkpoint(state, path)
-        times["async_call"].append(time.perf_counter() - started)
-        async_io.teardown()  # waits for the write in flight
-        times["async_done"].append(time.perf_counter() - started)
+        with timing(times["async_done"]):
+            with timing(times["async_call"]):
+                async_io.save_checkpoint(state, path)
+            async_io.teardown()  # waits for the write in flight
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     size = sum(t.numel() * t.element_size() for t in state["state_dict"].values())
     return {"times": times, "weights_bytes": size}
@@ -111,8 +104,7 @@ def render(result: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         f"Command: `{meta['command']}`",
         "",
-        f"Machine: {meta['machine']}; file system: {meta['file_system']}; load "
-        f"{meta['load_before']} before, {meta['load_after']} after; {meta['date']}.",
+        conditions(meta),
         "",
         f"One checkpoint: {result['weights_bytes'] / 1e6:.1f} MB of weights, plus AdamW's two "
         "moments.",
@@ -139,17 +131,8 @@ def render(result: dict[str, Any], meta: dict[str, Any]) -> str:
 
 def run(mb: float, reps: int, scratch: Path, command: str) -> tuple[str, dict[str, Any]]:
     """Every measurement; the page and the raw numbers."""
-    meta = {
-        "command": command,
-        "machine": machine(),
-        "file_system": file_system(scratch.parent if scratch.parent.exists() else Path(".")),
-        "load_before": load_average(),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-    scratch.mkdir(parents=True, exist_ok=True)
-    result = measure(mb, reps, scratch)
-    meta["load_after"] = load_average()
-    return render(result, meta), {"meta": meta, **result}
+    result = measured(lambda: measure(mb, reps, scratch), scratch, command)
+    return render(result, result["meta"]), result
 
 
 def main() -> None:
@@ -161,9 +144,7 @@ def main() -> None:
     command = f".venv/bin/python -m benchmarks.bench_lightning --mb {args.mb:g} --reps {args.reps}"
     with tempfile.TemporaryDirectory(prefix="bench-lightning-", dir=args.dir) as scratch:
         page, _ = run(args.mb, args.reps, Path(scratch) / "lightning", command)
-    print(page)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(page)
+    publish(page, RESULTS)
 
 
 if __name__ == "__main__":

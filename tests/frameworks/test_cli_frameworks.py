@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.cli import main
-from nbresume.hf.folders import commit_folder, open_store
+from nbresume.hf.folders import FILES_NAME, commit_folder, open_store
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -43,6 +45,13 @@ def trainer_checkpoint(output_dir: Path, step: int, *, commit: bool = True) -> P
     if commit:
         commit_folder(open_store(output_dir), step).commit()
     return folder
+
+
+def flip_a_bit(path: Path) -> None:
+    """Damage ``path`` by one bit near its end, its size unchanged."""
+    damaged = bytearray(path.read_bytes())
+    damaged[-2] ^= 0x01
+    path.write_bytes(bytes(damaged))
 
 
 def test_verify_and_ls_read_a_trainer_output_dir(
@@ -97,13 +106,64 @@ def test_verify_names_a_damaged_framework_file_of_a_trainer_checkpoint(
     out = tmp_path / "out"
     trainer_checkpoint(out, 2)
     folder = trainer_checkpoint(out, 4)
-    damaged = bytearray((folder / "optimizer.pt").read_bytes())
-    damaged[-2] ^= 0x01  # one bit, the size unchanged
-    (folder / "optimizer.pt").write_bytes(bytes(damaged))
+    flip_a_bit(folder / "optimizer.pt")
     code, text, _ = run(["verify", str(out)], capsys)
     assert code == 1
     assert "OK    checkpoint-2" in text
     assert "FAIL  checkpoint-4  optimizer.pt" in text
+
+
+def verifies_until_a_bit_flips(
+    out: Path, step: int, algorithm: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``nbresume verify`` passes on ``checkpoint-<step>`` of ``out``; once one bit of its
+    ``optimizer.pt`` is flipped it fails, naming the file and the hash that caught it."""
+    code, text, _ = run(["verify", str(out)], capsys)
+    assert code == 0, text
+    assert f"OK    checkpoint-{step}  step {step}" in text
+
+    flip_a_bit(out / f"checkpoint-{step}" / "optimizer.pt")
+    code, text, _ = run(["verify", str(out)], capsys)
+    assert code == 1
+    assert (
+        f"FAIL  checkpoint-{step}  optimizer.pt: "
+        f"its bytes differ from the ones recorded at the save ({algorithm})" in text
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "sha256"])
+def test_framework_files_are_listed_with_the_checkpoints_own_hash(
+    algorithm: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import xxhash
+
+    monkeypatch.setenv("NBRESUME_HASH", algorithm)
+    out = tmp_path / "out"
+    folder = trainer_checkpoint(out, 2)
+    data = (folder / "optimizer.pt").read_bytes()
+    hasher = xxhash.xxh3_128 if algorithm == "xxh3-128" else hashlib.sha256
+    listed = json.loads((folder / FILES_NAME).read_text())["files"]
+    assert listed == {"optimizer.pt": {"size": len(data), algorithm: hasher(data).hexdigest()}}
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert all(algorithm in entry for entry in manifest["files"].values())
+    verifies_until_a_bit_flips(out, 2, algorithm, capsys)
+
+
+def test_framework_files_listed_with_sha256_by_earlier_versions_still_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], forge_manifest: Callable[..., Path]
+) -> None:
+    # Earlier versions listed the framework's files with their SHA-256 under "sha256",
+    # whatever hash the manifest used: such a folder, written by hand.
+    out = tmp_path / "out"
+    folder = trainer_checkpoint(out, 4, commit=False)
+    data = (folder / "optimizer.pt").read_bytes()
+    entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / FILES_NAME).write_text(json.dumps({"files": {"optimizer.pt": entry}}))
+    forge_manifest(folder, step=4, files=["model.safetensors", "trainer_state.json", FILES_NAME])
+    verifies_until_a_bit_flips(out, 4, "sha256", capsys)
 
 
 def test_pull_of_a_trainer_output_dir_says_what_it_sees_and_what_to_do(

@@ -8,11 +8,10 @@ read straight from the cloud, never through nbresume's mount.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,34 +32,14 @@ SCRIPT = Path(__file__).with_name("lightning_train.py")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def cloud(tmp_path: Path) -> Iterator[tuple[Cloud, DriveServer]]:
-    cloud = Cloud(tmp_path / "cloud")
-    server = DriveServer(str(tmp_path / "cloud")).start()
-    try:
-        yield cloud, server
-    finally:
-        server.stop()
-        cloud.close()
-
-
-def vm(tmp: Path, server: DriveServer, name: str, lag: float, kill: str = "") -> int:
+def vm(
+    vm_env: Callable[..., dict[str, str]], tmp: Path, name: str, lag: float, kill: str = ""
+) -> int:
     """A fresh VM (a new process with a new, empty mount over the same cloud) training to
     the end, or until ``kill``; its exit status."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBRESUME_", "COLAB"))}
-    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-    env.update(
-        COLAB_STANDIN_ROOT=str(tmp / "cloud"),
-        COLAB_STANDIN_API_URL=server.url,
-        COLAB_STANDIN_UPLOAD_LAG_S=str(lag),
-        NBRESUME_DRIVE_API_URL=server.url,
-        # One mount point, as /content/drive on every Colab VM (ModelCheckpoint keeps its
-        # state only when its folder is the same); a new VM starts with it empty.
-        NBRESUME_DRIVE_MOUNT=str(tmp / "drive"),
-        NBRESUME_DRIVE_POLL_S="0.1",
-        NBRESUME_TEST_KILL=kill,
-        OMP_NUM_THREADS="1",
-    )
+    # One mount point, as /content/drive on every Colab VM (ModelCheckpoint keeps its state
+    # only when its folder is the same); a new VM starts with it empty.
+    env = vm_env(lag, tmp / "drive", NBRESUME_TEST_KILL=kill)
     (tmp / name).mkdir()
     shutil.rmtree(tmp / "drive", ignore_errors=True)
     done = subprocess.run(
@@ -72,9 +51,9 @@ def vm(tmp: Path, server: DriveServer, name: str, lag: float, kill: str = "") ->
 
 
 def test_on_drive_every_ckpt_lands_whole_and_a_new_vm_resumes_exactly(
-    cloud: tuple[Cloud, DriveServer], tmp_path: Path
+    cloud: tuple[Cloud, DriveServer], vm_env: Callable[..., dict[str, str]], tmp_path: Path
 ) -> None:
-    god, server = cloud
+    god = cloud[0]
     reference = tmp_path / "reference"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(reference), "--epoch-end"],
@@ -84,8 +63,8 @@ def test_on_drive_every_ckpt_lands_whole_and_a_new_vm_resumes_exactly(
 
     # VM 1 is killed in the middle of epoch 3, its uploads lagging behind; VM 2, a new
     # machine with an empty mount, resumes from what Drive holds and trains to the end.
-    assert vm(tmp_path, server, "vm1", 0.5, kill="step:40:0") == -9
-    assert vm(tmp_path, server, "vm2", 0.1) == 0
+    assert vm(vm_env, tmp_path, "vm1", 0.5, kill="step:40:0") == -9
+    assert vm(vm_env, tmp_path, "vm2", 0.1) == 0
     starts = [x for x in (tmp_path / "local" / "events.log").read_text().splitlines()
               if x.startswith("start ")]  # fmt: skip
     print(starts)
@@ -111,20 +90,12 @@ def test_on_drive_every_ckpt_lands_whole_and_a_new_vm_resumes_exactly(
 REMOVAL = Path(__file__).with_name("lightning_drive_removal.py")
 
 
-def replace_on_drive(tmp: Path, server: DriveServer, mode: str) -> subprocess.CompletedProcess[str]:
+def replace_on_drive(
+    vm_env: Callable[..., dict[str, str]], tmp: Path, mode: str
+) -> subprocess.CompletedProcess[str]:
     """A VM that saves epoch=1.ckpt and removes epoch=0.ckpt (save_top_k=1) while Drive has
     only epoch=0.ckpt; ``kill``: it dies right after."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBRESUME_", "COLAB"))}
-    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-    env.update(
-        COLAB_STANDIN_ROOT=str(tmp / "cloud"),
-        COLAB_STANDIN_API_URL=server.url,
-        COLAB_STANDIN_UPLOAD_LAG_S="0.1",
-        NBRESUME_DRIVE_API_URL=server.url,
-        NBRESUME_DRIVE_MOUNT=str(tmp / "drive"),
-        NBRESUME_DRIVE_POLL_S="0.1",
-        OMP_NUM_THREADS="1",
-    )
+    env = vm_env(0.1, tmp / "drive")
     return subprocess.run(
         [sys.executable, str(REMOVAL), mode],
         env=env, cwd=tmp, capture_output=True, text=True, timeout=300,
@@ -139,10 +110,10 @@ def on_cloud(god: Cloud) -> dict[str, dict[int, bool]]:
 
 
 def test_save_top_k_never_removes_the_only_checkpoint_drive_has(
-    cloud: tuple[Cloud, DriveServer], tmp_path: Path
+    cloud: tuple[Cloud, DriveServer], vm_env: Callable[..., dict[str, str]], tmp_path: Path
 ) -> None:
-    god, server = cloud
-    done = replace_on_drive(tmp_path, server, "kill")
+    god = cloud[0]
+    done = replace_on_drive(vm_env, tmp_path, "kill")
     assert done.returncode == -9, done.stderr[-3000:]
     # The VM died before Drive had epoch=1.ckpt: Drive still holds epoch=0.ckpt, whole.
     held = on_cloud(god)
@@ -151,10 +122,10 @@ def test_save_top_k_never_removes_the_only_checkpoint_drive_has(
 
 
 def test_the_removal_happens_once_drive_confirmed_the_replacement(
-    cloud: tuple[Cloud, DriveServer], tmp_path: Path
+    cloud: tuple[Cloud, DriveServer], vm_env: Callable[..., dict[str, str]], tmp_path: Path
 ) -> None:
-    god, server = cloud
-    done = replace_on_drive(tmp_path, server, "finish")
+    god = cloud[0]
+    done = replace_on_drive(vm_env, tmp_path, "finish")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kept [] local ['epoch=1.ckpt']" in done.stdout
     held = on_cloud(god)

@@ -20,6 +20,35 @@ def smoke(tmp_path: Path, notebook: Path, *args: str, env: dict[str, str] | None
     )
 
 
+def write_notebook(folder: Path, name: str, cells: list[str]) -> Path:
+    """``folder/name``: a notebook of code cells with the ``cells`` sources, as an editor
+    saves it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    notebook = folder / name
+    notebook.write_text(
+        json.dumps(
+            {
+                "nbformat": 4,
+                "nbformat_minor": 4,
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "cells": [
+                    {"cell_type": "code", "metadata": {}, "source": s, "outputs": []} for s in cells
+                ],
+            }
+        )
+    )
+    return notebook
+
+
+def counting_cells(run: str) -> list[str]:
+    """The cells of a notebook that counts through ``nbresume.init(run)``'s checkpointer."""
+    return [
+        f"import nbresume\nrun = nbresume.init({run!r}, internet=False)\n"
+        "ckpt = run.checkpointer(every=None, async_save=False)\nckpt['total'] = 0",
+        "for step in ckpt.steps(10):\n    ckpt['total'] = ckpt['total'] + step",
+    ]
+
+
 @pytest.mark.slow
 def test_a_resumable_notebook_passes_and_the_second_run_resumes(
     tmp_path: Path, net_log: Path
@@ -65,24 +94,11 @@ def test_checkpoints_outside_nbresume_folder_do_not_survive_a_kaggle_version(
 def test_a_colab_notebook_without_an_importable_google_colab_is_refused_clearly(
     tmp_path: Path, net_log: Path
 ) -> None:
-    folder = tmp_path / "user"
-    folder.mkdir()
-    notebook = folder / "colab.ipynb"
     cells = [
         "from google.colab import drive\ndrive.mount('/content/drive')",
         "import nbresume\nrun = nbresume.init('colab-run')",
     ]
-    notebook.write_text(
-        json.dumps(
-            {
-                "nbformat": 4,
-                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
-                "cells": [
-                    {"cell_type": "code", "metadata": {}, "source": s, "outputs": []} for s in cells
-                ],
-            }
-        )
-    )
+    notebook = write_notebook(tmp_path / "user", "colab.ipynb", cells)
     env = user_env(tmp_path, None)
     # The development environment has nbresume's Colab stand-in installed; this marker makes
     # it refuse to import, as a machine without google.colab would.
@@ -135,29 +151,13 @@ def test_colab_sandbox_keeps_drive_between_runs_without_google_colab(
 ) -> None:
     """``--platform colab`` needs no google.colab: Drive is a temporary folder that outlives
     the first runtime, /content is new for each run, and nbresume.init finds Drive there."""
-    folder = tmp_path / "user"
-    folder.mkdir()
-    notebook = folder / "drive_counter.ipynb"
     cells = [
         # A file in the working folder (/content) does not outlive the runtime.
         "import os\nassert not os.path.exists('scratch.txt')\n"
         "open('scratch.txt', 'w').write('lost with the runtime')",
-        "import nbresume\nrun = nbresume.init('drive-counter', internet=False)\n"
-        "ckpt = run.checkpointer(every=None, async_save=False)\nckpt['total'] = 0",
-        "for step in ckpt.steps(10):\n    ckpt['total'] = ckpt['total'] + step",
+        *counting_cells("drive-counter"),
     ]
-    notebook.write_text(
-        json.dumps(
-            {
-                "nbformat": 4,
-                "nbformat_minor": 4,
-                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
-                "cells": [
-                    {"cell_type": "code", "metadata": {}, "source": s, "outputs": []} for s in cells
-                ],
-            }
-        )
-    )
+    notebook = write_notebook(tmp_path / "user", "drive_counter.ipynb", cells)
     env = user_env(tmp_path, None)
     marker = tmp_path / "colab-marker"  # the development stand-in of google.colab refuses
     marker.touch()
@@ -174,9 +174,6 @@ def test_colab_sandbox_keeps_drive_between_runs_without_google_colab(
 def test_a_successful_smoke_run_prints_no_error_line(tmp_path: Path, net_log: Path) -> None:
     """The kernel is shut down right after its last reply; a kernel slow to finish that reply
     (a loaded machine, here made slow on purpose) must not log a KeyboardInterrupt."""
-    folder = tmp_path / "user"
-    folder.mkdir()
-    notebook = folder / "slow_kernel.ipynb"
     cells = [
         "import time\n"
         "kernel = get_ipython().kernel\n"
@@ -187,22 +184,9 @@ def test_a_successful_smoke_run_prints_no_error_line(tmp_path: Path, net_log: Pa
         "        await result\n"
         "    time.sleep(3)  # still in the handler when the shutdown comes\n"
         "kernel.shell_handlers['kernel_info_request'] = slow_reply",
-        "import nbresume\nrun = nbresume.init('slow-kernel', internet=False)\n"
-        "ckpt = run.checkpointer(every=None, async_save=False)\nckpt['total'] = 0",
-        "for step in ckpt.steps(10):\n    ckpt['total'] = ckpt['total'] + step",
+        *counting_cells("slow-kernel"),
     ]
-    notebook.write_text(
-        json.dumps(
-            {
-                "nbformat": 4,
-                "nbformat_minor": 4,
-                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
-                "cells": [
-                    {"cell_type": "code", "metadata": {}, "source": s, "outputs": []} for s in cells
-                ],
-            }
-        )
-    )
+    notebook = write_notebook(tmp_path / "user", "slow_kernel.ipynb", cells)
     result = smoke(tmp_path, notebook, "--platform", "local", "--steps", "2")
     assert result.code == 0, result.text
     assert result.out.splitlines()[-1] == "smoke: OK"

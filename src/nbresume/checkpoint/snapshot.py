@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint import reporting
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.state import STATE_VERSION, capture_rng, flatten
@@ -269,26 +269,8 @@ class Saver:
     ) -> CheckpointInfo:
         """Run ``save`` (given the callback of the commit) and, with ``report``, emit the
         save's events, teach the cadence its cost and follow its durability."""
-        started = time.monotonic()
-        if report:
-            self.events.emit(ev.SAVE_STARTED, step)
-        try:
-            info = save(
-                lambda i: self.events.emit(ev.COMMITTED, i.step, location=i.location, size=i.size)
-            )
-        except BaseException as exc:
-            if report:
-                self.events.emit(ev.FAILED, step, error=str(exc))
-            raise
-        if report:
-            seconds = time.monotonic() - started
-            self.cadence.observe_save(seconds)
-            self.events.emit(
-                ev.VERIFIED, info.step, location=info.location, size=info.size, seconds=seconds
-            )
-            if self.durability is not None:
-                self.durability.track(info)  # "syncing" until the durable store confirms it
-        return info
+        track = self.durability.track if self.durability is not None else None
+        return reporting.commit(self.events, self.cadence, step, save, track=track, report=report)
 
     def retry_after(self, earlier: BaseException | None) -> None:
         """A blocking save goes on past an earlier background failure: say so."""

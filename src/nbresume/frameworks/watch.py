@@ -33,12 +33,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint import hooks, stops
+from nbresume.checkpoint import hooks, reporting, stops
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.deadline import resolve_deadline
 from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.pending import PendingCheckpoint
+from nbresume.checkpoint.reporting import SaveFunction
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 
@@ -46,10 +47,6 @@ if TYPE_CHECKING:
     from nbresume.checkpoint.confirm import Confirmation
 
 log = logging.getLogger("nbresume")
-
-#: What a save through :meth:`Watch.commit` runs: given the callback of the commit, it commits
-#: and returns the verified checkpoint (``pending.commit(on_committed=...)``).
-SaveFunction = Callable[[Callable[[CheckpointInfo], None]], CheckpointInfo]
 
 
 class Watch:
@@ -194,22 +191,14 @@ class Watch:
 
         ``store`` is where the checkpoint lands when it is not the watch's own store (a
         framework that writes several checkpoint folders, such as Lightning's ``.ckpt``s)."""
-        if started is None:
-            started = self.save_started(step)
-        try:
-            info = save(
-                lambda i: self.events.emit(ev.COMMITTED, i.step, location=i.location, size=i.size)
-            )
-        except BaseException as exc:
-            self.events.emit(ev.FAILED, step, error=str(exc))
-            raise
-        seconds = time.monotonic() - started
-        self.cadence.observe_save(seconds)
-        self.events.emit(
-            ev.VERIFIED, info.step, location=info.location, size=info.size, seconds=seconds
+        return reporting.commit(
+            self.events,
+            self.cadence,
+            step,
+            save,
+            started=started,
+            track=lambda i: self.track(i, store),
         )
-        self.track(info, store)
-        return info
 
     def track(self, info: CheckpointInfo, store: CheckpointStore | None = None) -> None:
         """On a write-back store (Google Drive's mount), report ``info`` as ``syncing`` until

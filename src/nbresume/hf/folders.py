@@ -12,13 +12,16 @@ nbresume's format names only ``*.safetensors`` and ``*.json`` files, so that nbr
 has a reason to unpickle anything. A framework's other files (``optimizer.pt``,
 ``rng_state.pth``, ``training_args.bin``) are listed with their sizes and hashes in
 :data:`FILES_NAME`, a JSON file that the manifest itself covers; :func:`verify` checks them
-too. nbresume opens them only to hash them.
+too. nbresume opens them only to hash them, with the checkpoint's own hash (XXH3-128 by
+default, as ``NBRESUME_HASH`` picks; :mod:`nbresume.checkpoint.hashing`), recorded under the
+hash's name as the manifest records it (``{"size": ..., "xxh3-128": ...}``); earlier versions
+recorded SHA-256 (``"sha256"``), which still verifies. On Google Drive the MD5 is recorded too:
+Drive reports it for each uploaded file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -30,14 +33,18 @@ from typing import IO, TYPE_CHECKING, Any
 from nbresume.checkpoint.backends.base import Backend, FreeSpace
 from nbresume.checkpoint.backends.local import LocalStore
 from nbresume.checkpoint.format import (
+    HASH_DIGITS,
     MANIFEST_NAME,
+    FileEntry,
     Manifest,
     is_valid_file_name,
     parse_step_dirname,
     step_dirname,
 )
+from nbresume.checkpoint.hashing import Digests
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.pending import PendingCheckpoint
+from nbresume.checkpoint.storage import READ_CHUNK
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
 
@@ -46,7 +53,6 @@ if TYPE_CHECKING:
 
 #: The file that lists the framework's files the manifest cannot name, with their hashes.
 FILES_NAME = "nbresume_framework_files.json"
-_READ = 8 << 20
 #: Where the framework's other files wait while the manifest's files are taken in: a folder
 #: beside the pending checkpoint's (its name plus this), inside it in earlier versions.
 ASIDE_NAME = ".framework"
@@ -250,7 +256,7 @@ def commit_folder(store: CheckpointStore, step: int) -> PendingCheckpoint:
             os.rename(folder / name, target / name)
             fsync(target / name)  # another library wrote it: durable before it counts
             if name not in plain:
-                others[name] = _hash(target / name, md5=store.md5)
+                others[name] = hash_file(target / name, pending.hash, md5=store.md5).to_json()
         # The emptied folder stays until the commit replaces it: on Google Drive the commit
         # then deletes the copy the mount had uploaded through Drive's API, not into the trash.
         aside.mkdir()
@@ -277,19 +283,26 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _hash(path: Path, *, md5: bool) -> dict[str, Any]:
-    """The size and hashes of the file ``path`` as it is on disk now."""
-    sha, digest, size = hashlib.sha256(), hashlib.md5(usedforsecurity=False), 0
+def hash_file(path: Path, algorithm: str, *, md5: bool) -> FileEntry:
+    """The size and the ``algorithm`` hash (and with ``md5`` the MD5) of the file ``path`` as
+    it is on disk now, through the core's hashing."""
+    digests = Digests(md5=md5, threaded=False, algorithm=algorithm)
+    size = 0
     with open(path, "rb") as handle:
-        while chunk := handle.read(_READ):
-            sha.update(chunk)
-            if md5:
-                digest.update(chunk)
+        while chunk := handle.read(READ_CHUNK):
+            digests.update(chunk)
             size += len(chunk)
-    entry: dict[str, Any] = {"size": size, "sha256": sha.hexdigest()}
-    if md5:
-        entry["md5"] = digest.hexdigest()
-    return entry
+    digest, md5_hex = digests.result()
+    return FileEntry(size, digest, md5_hex, algorithm)
+
+
+def _algorithm(entry: Mapping[str, Any]) -> str:
+    """The hash an entry of :data:`FILES_NAME` is recorded with (``"sha256"`` in earlier
+    versions, else the checkpoint's: ``"xxh3-128"``)."""
+    named = [name for name in HASH_DIGITS if name in entry]
+    if len(named) != 1 or not isinstance(entry[named[0]], str):
+        raise ValueError(f"names no single hash of {sorted(HASH_DIGITS)}")
+    return named[0]
 
 
 def framework_files(folder: Path) -> dict[str, dict[str, Any]]:
@@ -299,8 +312,10 @@ def framework_files(folder: Path) -> dict[str, dict[str, Any]]:
         for name, entry in files.items():
             if "/" in name or name.startswith(".") or not isinstance(entry["size"], int):
                 raise ValueError(f"{name!r} is not a plain file name with a size")
-            if not isinstance(entry["sha256"], str):
-                raise ValueError(f"{name!r} has no SHA-256")
+            try:
+                _algorithm(entry)
+            except ValueError as exc:
+                raise ValueError(f"{name!r} {exc}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(
             f"{FILES_NAME} does not list files: {exc}", where=str(folder)
@@ -340,12 +355,15 @@ def verify(store: CheckpointStore, info: CheckpointInfo) -> str:
     except (OSError, CorruptCheckpointError) as exc:
         return str(exc)
     for name, entry in listed.items():
+        algorithm = _algorithm(entry)
         try:
-            got = _hash(folder / name, md5=False)
+            got = hash_file(folder / name, algorithm, md5=False)
         except OSError as exc:
             return f"{name}: cannot read it: {exc}"
-        if got["size"] != entry["size"]:
-            return f"{name}: {got['size']} bytes, the checkpoint recorded {entry['size']}"
-        if got["sha256"] != entry["sha256"]:
-            return f"{name}: its bytes differ from the ones recorded at the save (SHA-256)"
+        except CheckpointError as exc:  # an XXH3-128 entry where xxhash is not installed
+            return f"{name}: {exc}"
+        if got.size != entry["size"]:
+            return f"{name}: {got.size} bytes, the checkpoint recorded {entry['size']}"
+        if got.digest != entry[algorithm]:
+            return f"{name}: its bytes differ from the ones recorded at the save ({algorithm})"
     return ""

@@ -15,6 +15,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import urlsplit
 
 from IPython.core.error import UsageError
 
@@ -206,23 +207,25 @@ def run_once(args: list[str], cell: str) -> Any:
 
 
 def _marker_fs(root: str) -> Any:
-    """The fsspec file system of a URL run folder, with the run's ``storage_options``: the one
-    of the shown Checkpointer when it saves there, else one made from the run's options."""
+    """The fsspec file system for the markers of a URL run folder: the shown Checkpointer's,
+    with its ``storage_options`` (credentials, ``endpoint_url``), when it saves in the same
+    bucket (the run folder itself, a folder inside it, or beside it); else ``None``, and
+    fsspec's own configuration applies: ``nbresume.init`` takes no ``storage_options``, they
+    live on the Checkpointer's store."""
     if "://" not in root or root.startswith("file://"):
         return None
     ckpt = _state().tracker.checkpointer
     backend: Any = getattr(getattr(ckpt, "store", None), "backend", None)
     fs = getattr(backend, "fs", None)
-    if fs is not None and str(backend.location).rstrip("/") == root.rstrip("/"):
-        return fs
-    from nbresume.run import current_run
+    if fs is None:
+        return None
+    return fs if _bucket(str(backend.location)) == _bucket(root) else None
 
-    options = getattr(current_run(), "storage_options", None)
-    if options:
-        import fsspec
 
-        return fsspec.core.url_to_fs(root, **options)[0]
-    return None
+def _bucket(url: str) -> tuple[str, str]:
+    """The protocol and the bucket (or host) of ``url``: where one set of options reaches."""
+    parts = urlsplit(url)
+    return parts.scheme, parts.netloc
 
 
 def _completed(record: dict[str, Any]) -> str:

@@ -1,0 +1,62 @@
+"""Google's side of a simulated Colab for the framework tests on Google Drive.
+
+:func:`cloud` is the cloud folder and the Drive API server on loopback over it, in the test
+process; :func:`vm_env` is the environment of a fresh VM over that cloud: the stand-in
+``google.colab``, whose mount uploads with a lag and loses what it has not uploaded when the VM
+is killed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from colab_standin.cloud import Cloud
+    from colab_standin.server import DriveServer
+
+
+@pytest.fixture
+def cloud(tmp_path: Path) -> Iterator[tuple[Cloud, DriveServer]]:
+    """The cloud (``tmp_path / "cloud"``, read directly) and the Drive API server over it."""
+    pytest.importorskip("googleapiclient", reason="needs google-api-python-client (test extra)")
+    pytest.importorskip("colab_standin", reason="needs the google.colab stand-in (scripts/setup)")
+    from colab_standin.cloud import Cloud
+    from colab_standin.server import DriveServer
+
+    god = Cloud(tmp_path / "cloud")
+    server = DriveServer(str(tmp_path / "cloud")).start()
+    try:
+        yield god, server
+    finally:
+        server.stop()
+        god.close()
+
+
+@pytest.fixture
+def vm_env(tmp_path: Path, cloud: tuple[Any, DriveServer]) -> Callable[..., dict[str, str]]:
+    """``vm_env(lag, mount, **extra)``: the environment of a fresh VM over :func:`cloud`,
+    its Drive mounted at ``mount`` and uploading ``lag`` seconds late; none of this process's
+    nbresume or Colab settings, one thread, ``extra`` on top."""
+    server = cloud[1]
+
+    def make(lag: float, mount: Path, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NBRESUME_", "COLAB"))}
+        env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+        env.update(
+            COLAB_STANDIN_ROOT=str(tmp_path / "cloud"),
+            COLAB_STANDIN_API_URL=server.url,
+            COLAB_STANDIN_UPLOAD_LAG_S=str(lag),
+            NBRESUME_DRIVE_API_URL=server.url,
+            NBRESUME_DRIVE_MOUNT=str(mount),
+            NBRESUME_DRIVE_POLL_S="0.1",
+            OMP_NUM_THREADS="1",
+        )
+        env.update(extra)
+        return env
+
+    return make
