@@ -13,7 +13,8 @@ cell) and repeated:
 Nothing here touches the real network: every probe targets 127.0.0.1. torch is not imported
 (a machine without a GPU), so the times are nbresume's own.
 
-Run from the repository root:
+``python -m benchmarks`` runs it (the ``preflight`` suite) and writes
+``results/preflight.md``; alone, it prints the table and writes nothing:
 
     .venv/bin/python benchmarks/bench_preflight.py --reps 5
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -32,10 +32,9 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
 TARGET_S = 2.0
 
 CHILD = """
@@ -114,14 +113,9 @@ def run_child(port: int, extra_path: str | None) -> dict[str, object]:
     return dict(json.loads(result.stdout))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "preflight.md")
-    args = parser.parse_args()
-
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
+def measure(reps: int) -> dict[str, Any]:
+    """Every scenario ``reps`` times, each in a fresh process; the timings."""
+    with tempfile.TemporaryDirectory(prefix="nbresume-preflight-") as tmp:
         fake = Path(tmp) / "nvidia-smi"
         fake.write_text("#!/bin/sh\nexec sleep 60\n")
         fake.chmod(0o755)
@@ -131,45 +125,51 @@ def main() -> None:
             ("connection hangs", hanging_port, None),
             ("nvidia-smi hangs", hanging_port, tmp),
         ]
-        rows = []
+        rows: list[dict[str, Any]] = []
         for label, make_port, path in scenarios:
             times: list[float] = []
             imports: list[float] = []
             seen: dict[str, object] = {}
             with make_port() as port:
-                for _ in range(args.reps):
+                for _ in range(reps):
                     seen = run_child(port, path)
                     times.append(float(seen["preflight_s"]))  # type: ignore[arg-type]
                     imports.append(float(seen["import_s"]))  # type: ignore[arg-type]
-            rows.append(
-                (label, statistics.median(times), max(times), statistics.median(imports), seen)
-            )
-            print(f"{label:18} median {statistics.median(times):.3f} s  max {max(times):.3f} s")
+            rows.append({"scenario": label, "preflight_s": times, "import_s": imports,
+                         "internet": str(seen["internet"])})  # fmt: skip
+    return {"reps": reps, "target_s": TARGET_S, "scenarios": rows,
+            "target_met": all(max(row["preflight_s"]) < TARGET_S for row in rows)}  # fmt: skip
 
+
+def render(result: dict[str, Any]) -> str:
+    """The page: a title, then the table (the runner adds the run's header line)."""
     lines = [
-        "# Preflight benchmark",
+        "# Preflight: how long the first cell's checks take",
         "",
-        f"- Command: `python benchmarks/bench_preflight.py --reps {args.reps}`",
-        f"- Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()} "
-        f"{platform.release()}",
-        f"- Python {platform.python_version()}; each repetition is a fresh process",
-        f"- Load average (1 min) at the start and the end: {load_before:.2f}, "
-        f"{os.getloadavg()[0]:.2f} (anything else running shares the cores)",
-        f"- Date: {datetime.now(timezone.utc).date().isoformat()}",
-        f"- Target: under {TARGET_S:g} s however the network behaves (probe timeout 1 s)",
+        f"Each scenario {result['reps']} time(s), each in a fresh process (torch not imported). "
+        f"Target: under {result['target_s']:g} s however the network behaves (probe timeout "
+        f"1 s): **{'met' if result['target_met'] else 'not met'}** in this run.",
         "",
         "| scenario | median preflight | max preflight | median `import nbresume` | "
         "internet check saw |",
         "|---|---:|---:|---:|---|",
     ]
-    for label, median, worst, imported, seen in rows:
+    for row in result["scenarios"]:
         lines.append(
-            f"| {label} | {median:.3f} s | {worst:.3f} s | {imported:.3f} s | {seen['internet']} |"
+            f"| {row['scenario']} | {statistics.median(row['preflight_s']):.3f} s | "
+            f"{max(row['preflight_s']):.3f} s | {statistics.median(row['import_s']):.3f} s | "
+            f"{row['internet']} |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
-    if any(worst >= TARGET_S for _, _, worst, _, _ in rows):
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    result = measure(args.reps)
+    print(render(result))
+    if not result["target_met"]:
         sys.exit(f"a preflight took {TARGET_S:g} s or more")
 
 

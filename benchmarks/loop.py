@@ -1,4 +1,4 @@
-"""Suite 2, throughput in a real loop.
+"""Suite 2, throughput in a real loop: the extra time a save adds, with its uncertainty.
 
 **The reference loop**: an MLP of ``depth`` hidden layers of ``width`` units (ReLU) and a
 10-way output, trained with Adam and cross-entropy on synthetic batches of ``batch`` samples
@@ -8,14 +8,20 @@ free; on a shared machine more threads also make step times erratic). With width
 depth 4 the model has 4.2 M parameters (16.8 MB) and its state with Adam's two moments is
 50 MB.
 
-For each tool, in one fresh process, runs of ``segments x every`` steps are timed, alternately
-without checkpointing and with a save after every ``every`` steps but the last segment; each
-run ends with ``wait()``, so that a background write that has not finished is paid for. The
-extra time per save is (checkpointing run - plain run) / saves, median over the repetitions.
-From it:
+For each tool, in one fresh process, ``pairs`` pairs of *segments* of ``every`` steps are
+timed. A pair is one plain segment and one saving segment, next to each other, in
+alternating order (plain first, then saving first: a drift of the machine's speed cancels
+out). A saving segment starts with a save, so that an asynchronous write overlaps its steps,
+and both kinds end with ``wait()``: a background write that has not finished is paid for.
+The extra time of one save is the difference within a pair; the suite reports the median of
+the pairs' differences and a distribution-free confidence interval of that median (order
+statistics of the differences, the sign test's interval: at least 95 % from 6 pairs on).
+From it, for a save every N steps (N at least ``every``):
 
-- overhead at a save every N steps = extra per save / (N x step time);
-- the smallest N that keeps the overhead under 1 % = extra per save / (1 % x step time).
+- overhead at N = extra per save / (N x step time), with the interval's bounds likewise;
+- the smallest N whose overhead is under 1 % even at the interval's upper bound;
+- the resolution: the interval's half-width as a share of N steps. An overhead smaller than
+  that cannot be told from zero on this machine in this run.
 
 An asynchronous save pays for its copy and for the background write competing with training
 for the same cores (two on the machine of the committed results).
@@ -32,6 +38,9 @@ from typing import Any
 from benchmarks._common import median, state_bytes
 from benchmarks.tools import BY_NAME, Tool
 from benchmarks.zygote import Zygote
+
+#: The interval the summary reports the overhead at (a save every 200 steps).
+REFERENCE_EVERY = 200
 
 
 def build_reference(width: int, depth: int) -> tuple[Any, Any]:
@@ -53,7 +62,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     tool.import_library()
     folder = Path(args["folder"])
     shutil.rmtree(folder, ignore_errors=True)
-    width, every, segments = args["width"], args["every"], args["segments"]
+    width, every = args["width"], args["every"]
     model, optimizer = build_reference(width, args["depth"])
     loss_fn = torch.nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(1)
@@ -70,43 +79,86 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     session = tool.open(folder, model, optimizer)
     session.save(0)  # a first save outside the clock: buffers, folders, lazy imports
     session.wait()
-    steps = every * segments
-    plain, checkpointing = [], []
     counter = 0
-    for _ in range(args["reps"]):
-        for saving in (False, True):
-            start = time.perf_counter()
-            for index in range(1, steps + 1):
-                step()
-                counter += 1
-                if saving and index % every == 0 and index < steps:
-                    session.save(counter)
-            session.wait()
-            (checkpointing if saving else plain).append(time.perf_counter() - start)
+
+    def segment(saving: bool) -> float:
+        nonlocal counter
+        start = time.perf_counter()
+        if saving:
+            session.save(counter)
+        for _ in range(every):
+            step()
+            counter += 1
+        session.wait()
+        return time.perf_counter() - start
+
+    plain, saving = [], []
+    for index in range(args["pairs"]):
+        order = (False, True) if index % 2 == 0 else (True, False)
+        times = {kind: segment(kind) for kind in order}
+        plain.append(times[False])
+        saving.append(times[True])
     session.close()
     shutil.rmtree(folder, ignore_errors=True)
-    saves = segments - 1
-    extra = median((c - p) / saves for c, p in zip(checkpointing, plain, strict=True))
     return {
         "state_bytes": state_bytes(model, optimizer),
-        "step_s": median(plain) / steps,
-        "extra_per_save_s": extra,
-        "plain_runs_s": plain,
-        # the resolution: how much two runs without any save differ, per save
-        "noise_per_save_s": (max(plain) - min(plain)) / saves,
-        "checkpointing_runs_s": checkpointing,
-        "steps_per_run": steps,
-        "saves_per_run": saves,
+        "step_s": median(plain) / every,
+        "plain_segments_s": plain,
+        "saving_segments_s": saving,
+        "steps_per_segment": every,
     }
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(low, high, achieved confidence) of a distribution-free interval of the median.
+
+    The interval between the k-th smallest and the k-th largest value covers the median with
+    probability 1 - 2 P(Binomial(n, 1/2) < k); k is the largest with at least ``confidence``,
+    or 1 (the whole range) when even that falls short (fewer than 6 values for 95 %).
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / float(2**n)
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return ordered[k - 1], ordered[n - k], coverage(k)
+
+
 def overhead(extra_s: float, step_s: float, every: int) -> float:
-    """The share of training time that saving every ``every`` steps adds."""
-    return max(0.0, extra_s) / (every * step_s)
+    """The share of training time that saving every ``every`` steps adds (may be negative:
+    an interval's lower bound)."""
+    return extra_s / (every * step_s)
 
 
 def smallest_every(extra_s: float, step_s: float, target: float = 0.01) -> int:
+    """The smallest interval whose overhead is under ``target`` for a save costing ``extra_s``."""
     return max(1, math.ceil(max(0.0, extra_s) / (target * step_s)))
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The extra time per save with its interval, and what follows for the overhead."""
+    diffs = [s - p for s, p in zip(result["saving_segments_s"], result["plain_segments_s"],
+                                   strict=True)]  # fmt: skip
+    extra = median(diffs)
+    low, high, confidence = median_interval(diffs)
+    step = result["step_s"]
+    at = REFERENCE_EVERY
+    return {
+        "extra_per_save_s": extra,
+        "extra_per_save_interval_s": [low, high],
+        "confidence": confidence,
+        "pairs": len(diffs),
+        "overhead_at_200": overhead(extra, step, at),
+        "overhead_at_200_interval": [overhead(low, step, at), overhead(high, step, at)],
+        # below this share (a save every 200 steps) the suite cannot tell a cost from zero
+        "resolution_at_200": overhead((high - low) / 2, step, at),
+        "resolved_from_zero": low > 0,
+        "smallest_every_under_1pct": smallest_every(high, step),
+    }
 
 
 def run(zygote: Zygote, tools: list[Tool], settings: dict[str, Any], scratch: Path,
@@ -122,9 +174,6 @@ def run(zygote: Zygote, tools: list[Tool], settings: dict[str, Any], scratch: Pa
         result = zygote.call("loop", {**settings, "tool": tool.name, "folder": str(folder)})
         shutil.rmtree(folder, ignore_errors=True)
         if "error" not in result:
-            result["overhead_at_200"] = overhead(result["extra_per_save_s"], result["step_s"], 200)
-            result["smallest_every_under_1pct"] = smallest_every(
-                result["extra_per_save_s"], result["step_s"]
-            )
+            result.update(summarize(result))
         results[tool.name] = result
     return {"settings": settings, "tools": results}

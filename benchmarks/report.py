@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loop import overhead
+from benchmarks.loop import REFERENCE_EVERY
 
 BEGIN = "<!-- side-by-side:begin (written by python -m benchmarks; edit around it) -->"
 END = "<!-- side-by-side:end -->"
@@ -30,7 +30,31 @@ def _pct(value: float | None) -> str:
 def _seconds(value: float | None) -> str:
     if value is None:
         return "–"
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+    return f"{value * 1000:.0f} ms" if abs(value) < 1 else f"{value:.2f} s"
+
+
+def _with_interval(value: float | None, interval: list[float] | None) -> str:
+    """A share with its confidence interval: ``1.20 % [0.40, 2.10]``."""
+    if value is None or interval is None:
+        return "–"
+    low, high = interval
+    return f"{100 * value:.2f} % [{100 * low:.2f}, {100 * high:.2f}]"
+
+
+def header(meta: dict[str, Any]) -> str:
+    """The line every page of one run starts with: command, date, machine, file system, load."""
+    return (
+        f"Run: `{meta['command']}` ({meta['mode']} mode), {meta['date']}, "
+        f"{meta['duration_s']:.0f} s in all; machine: {meta['machine']}; scratch on "
+        f"{meta['file_system']}; load average (1, 5, 15 min) before the run: "
+        f"{meta['load_before']}, after: {meta['load_after']}."
+    )
+
+
+def stamp(page: str, meta: dict[str, Any]) -> str:
+    """``page`` with the run's header line right below its title (line 3)."""
+    title, _, body = page.partition("\n")
+    return f"{title}\n\n{header(meta)}\n\n{body.lstrip(chr(10))}"
 
 
 def _short(text: str, limit: int = 110) -> str:
@@ -69,7 +93,15 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             elif item:
                 errors.append(f"stall: {item['error']}")
         for suite, keys in (
-            ("loop", ("overhead_at_200", "smallest_every_under_1pct")),
+            (
+                "loop",
+                (
+                    "overhead_at_200",
+                    "overhead_at_200_interval",
+                    "resolution_at_200",
+                    "smallest_every_under_1pct",
+                ),
+            ),
             ("kill", ("recovery_share", "mean_steps_lost", "max_steps_lost")),
             ("resume", ("bit_exact",)),
         ):
@@ -93,13 +125,11 @@ def markdown(results: dict[str, Any]) -> str:
     out = [
         "# Side by side: torch.save, DCP, Lightning, Accelerate, nbresume",
         "",
-        f"Command: `{meta['command']}` ({meta['mode']} mode), {meta['date']}, "
-        f"{meta['duration_s']:.0f} s in all.",
+        header(meta),
         "",
-        f"- Machine: {meta['machine']}; load average before the run: {meta['load_before']}, "
-        f"after: {meta['load_after']}",
-        f"- Scratch folder on {meta['file_system']}",
         f"- Software: {meta['software']}",
+        "- Seconds per suite: "
+        + ", ".join(f"{name} {seconds:.0f}" for name, seconds in meta.get("suite_s", {}).items()),
         "",
         "Ratios divide by the machine's own limits for the same bytes, measured on the same "
         "file system just before each suite: **raw write+fsync** (one file, fsynced, with its "
@@ -111,6 +141,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
     out += summary_table(results)
+    if results.get("loop"):
+        out += ["", resolution_line(results["loop"])]
     out += ["", "## 1. Stall and durability", ""]
     for size in results.get("stall", {}).get("sizes", []):
         cal = size["calibration"]
@@ -152,28 +184,7 @@ def markdown(results: dict[str, Any]) -> str:
         out += [skipped, ""]
     loop = results.get("loop")
     if loop:
-        s = loop["settings"]
-        out += ["## 2. Throughput in the reference loop", "",
-                f"MLP {s['depth']} x {s['width']} (ReLU) + 10-way output, Adam, batch "
-                f"{s['batch']}, synthetic data, {s['threads']} torch thread(s); runs of "
-                f"{s['every'] * s['segments']} steps "
-                f"with and without a save every {s['every']} steps, {s['reps']} of each, "
-                "interleaved.", ""]  # fmt: skip
-        rows = []
-        for name, item in loop["tools"].items():
-            if not _ok(item):
-                rows.append([name, item["error"], *["–"] * 6])
-                continue
-            rows.append([
-                name, f"{item['state_bytes'] / 1e6:.0f} MB", _seconds(item["step_s"]),
-                _seconds(item["extra_per_save_s"]), _seconds(item["noise_per_save_s"]),
-                _pct(item["overhead_at_200"]),
-                str(item["smallest_every_under_1pct"]),
-            ])  # fmt: skip
-        out += _table(["Tool", "State", "Step", "Extra per save",
-                       "Noise per save (plain runs' spread)", "Overhead, save every 200",
-                       "Smallest N under 1 %"], rows)  # fmt: skip
-        out.append("")
+        out += loop_section(loop)
     kill = results.get("kill")
     if kill:
         s = kill["settings"]
@@ -214,7 +225,77 @@ def markdown(results: dict[str, Any]) -> str:
                          "yes" if item["bit_exact"] else "no"])  # fmt: skip
         out += _table(["Tool", "Restore", "Restore / raw cold read", "Bit-exact"], rows)
         out.append("")
+    out += ["## Every page of this run", "", *suite_lines(results, ""), ""]
     return "\n".join(out) + "\n"
+
+
+def loop_section(loop: dict[str, Any]) -> list[str]:
+    s = loop["settings"]
+    tools = loop["tools"]
+    fine = [item for item in tools.values() if _ok(item)]
+    confidence = f"{100 * fine[0]['confidence']:.0f} %" if fine else "95 %"
+    out = ["## 2. Throughput in the reference loop", "",
+           f"MLP {s['depth']} x {s['width']} (ReLU) + 10-way output, Adam, batch {s['batch']}, "
+           f"synthetic data, {s['threads']} torch thread(s). Per tool, {s['pairs']} pairs of "
+           f"segments of {s['every']} steps: one plain, one that starts with a save, next to "
+           "each other in alternating order, each ending with `wait()`. Extra per save: the "
+           f"median of the pairs' differences, in brackets its {confidence} confidence "
+           "interval (order statistics, no assumption on the noise). Overhead at a save every "
+           f"{REFERENCE_EVERY} steps = extra per save / ({REFERENCE_EVERY} x step time), valid "
+           f"for intervals of at least {s['every']} steps. An interval that contains 0 means "
+           "the cost could not be told from zero. Smallest N under 1 %: from the interval's "
+           "upper bound.", ""]  # fmt: skip
+    if fine:
+        out += [resolution_line(loop), ""]
+    rows = []
+    for name, item in tools.items():
+        if not _ok(item):
+            rows.append([name, item["error"], *["–"] * 5])
+            continue
+        low, high = item["extra_per_save_interval_s"]
+        rows.append([
+            name, f"{item['state_bytes'] / 1e6:.0f} MB", _seconds(item["step_s"]),
+            f"{_seconds(item['extra_per_save_s'])} [{_seconds(low)}, {_seconds(high)}]",
+            _with_interval(item["overhead_at_200"], item["overhead_at_200_interval"]),
+            f"{100 * item['resolution_at_200']:.2f} %",
+            str(item["smallest_every_under_1pct"]),
+        ])  # fmt: skip
+    out += _table(["Tool", "State", "Step", f"Extra per save [{confidence} interval]",
+                   f"Overhead, save every {REFERENCE_EVERY} [interval]",
+                   "Cannot resolve below", "Smallest N under 1 %"], rows)  # fmt: skip
+    out.append("")
+    return out
+
+
+def resolution_line(loop: dict[str, Any]) -> str:
+    """What the loop suite could not resolve in this run, in words."""
+    fine = [item for item in loop["tools"].values() if _ok(item)]
+    if not fine:
+        return ""
+    worst = max(item["resolution_at_200"] for item in fine)
+    best = min(item["resolution_at_200"] for item in fine)
+    unresolved = [name for name, item in loop["tools"].items()
+                  if _ok(item) and not item["resolved_from_zero"]]  # fmt: skip
+    return (
+        f"**Resolution of the loop suite in this run**: an overhead below {100 * best:.2f} % to "
+        f"{100 * worst:.2f} % (depending on the tool) at a save every {REFERENCE_EVERY} steps "
+        "cannot be resolved on this machine under this load (the half-width of each interval, "
+        "from the measured spread of the pairs). "
+        + (f"Not told apart from zero: {', '.join(unresolved)}." if unresolved else "")
+    ).strip()
+
+
+def suite_lines(results: dict[str, Any], prefix: str) -> list[str]:
+    """One line per suite: its page (``prefix`` + name), or why it has none in this run."""
+    lines = []
+    for name, item in results.get("suites", {}).items():
+        if not prefix and item.get("page") == "side-by-side.md":
+            lines.append(f"- {name}: this page")
+        elif "page" in item:
+            lines.append(f"- {name}: `{prefix}{item['page']}`")
+        else:
+            lines.append(f"- {name}: {item['status']}")
+    return lines
 
 
 def summary_table(results: dict[str, Any]) -> list[str]:
@@ -231,7 +312,7 @@ def summary_table(results: dict[str, Any]) -> list[str]:
             + ("" if row["fsync"] else " (no fsync)"),
             _ratio(row.get("blocked_over_memcpy"), 1) if row["is_async"] else "–",
             _ratio(row.get("extra_memory_over_state")),
-            _pct(row.get("overhead_at_200")),
+            _with_interval(row.get("overhead_at_200"), row.get("overhead_at_200_interval")),
             str(row.get("smallest_every_under_1pct", "–")),
             _pct(row.get("recovery_share")).replace(".00 %", " %"),
             "–" if lost is None or math.isnan(lost) else f"{lost:.1f}",
@@ -242,7 +323,8 @@ def summary_table(results: dict[str, Any]) -> list[str]:
     size = f" ({mb:.0f} MB)" if mb else ""
     return _table(
         ["Tool", f"Blocked / raw write{size}", f"Done / raw write{size}",
-         "Async blocked / memory copy", "Extra memory / state", "Loop overhead, every 200",
+         "Async blocked / memory copy", "Extra memory / state",
+         "Loop overhead, every 200 [confidence interval]",
          "Smallest N under 1 %", "Recovered after kill -9", "Steps lost", "Restore / raw read",
          "Bit-exact resume"],
         rows,
@@ -294,23 +376,22 @@ def plots(results: dict[str, Any], folder: Path) -> list[Path]:
 
     loop = results.get("loop", {}).get("tools", {})
     if loop:
+        # one point per tool with its interval: the figure never shows more than was resolved
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        everies = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
-        for name in names:
-            item = loop.get(name)
-            if _ok(item) and item["extra_per_save_s"] > 0:
-                extra, step = item["extra_per_save_s"], item["step_s"]
-                shares = [100 * overhead(extra, step, n) for n in everies]
-                ax.plot(everies, shares, marker="o", markersize=3, label=name)
-        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-        ax.axvline(200, color="grey", linewidth=0.8, linestyle=":")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        _readable_log_axis(ax.xaxis)
-        _readable_log_axis(ax.yaxis)
-        ax.set_xlabel("save every N steps of the reference loop")
-        ax.set_ylabel("training time added (%)")
-        ax.legend(fontsize=8)
+        shown = [n for n in names if _ok(loop.get(n))]
+        for row, name in enumerate(shown):
+            item = loop[name]
+            value = 100 * item["overhead_at_200"]
+            low, high = (100 * x for x in item["overhead_at_200_interval"])
+            color = "tab:blue" if item["resolved_from_zero"] else "tab:grey"
+            ax.errorbar(value, row, xerr=[[value - low], [high - value]], fmt="o", color=color,
+                        capsize=3)  # fmt: skip
+        ax.axvline(0.0, color="black", linewidth=0.8)
+        ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_yticks(range(len(shown)), shown)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"training time added by a save every {REFERENCE_EVERY} steps (%)")
+        ax.set_title("median and confidence interval (grey: not told apart from 0)")
         fig.tight_layout()
         written.append(_save(fig, folder / PLOTS[1]))
 
@@ -379,16 +460,18 @@ def update_docs(results: dict[str, Any], page: Path) -> None:
     generated = [
         BEGIN,
         "",
-        f"`{meta['command']}`, {meta['date']}, {meta['duration_s']:.0f} s; {meta['machine']}; "
-        f"scratch on {meta['file_system']}; {meta['software']}. Load average (1, 5, 15 min) "
-        f"before the run: {meta['load_before']}, after: {meta['load_after']} (other work shares "
-        "the cores and the disk).",
+        header(meta),
+        "",
+        f"Software: {meta['software']}.",
         "",
         *summary_table(results),
         "",
+        *([resolution_line(results["loop"]), ""] if results.get("loop") else []),
         *(f"![{name}](img/{name})" for name in PLOTS),
         "",
-        "Every table of the run: `benchmarks/results/side-by-side.md` (and `.json`).",
+        'Every page of this run (each starts with the "Run:" line above):',
+        "",
+        *suite_lines(results, "benchmarks/results/"),
         "",
         END,
     ]

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import report, stall  # noqa: E402
+from benchmarks import loop, report, stall  # noqa: E402
+from benchmarks.__main__ import PAGES  # noqa: E402
 from benchmarks.tools import TOOLS, Tool  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -26,9 +27,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     out = tmp_path_factory.mktemp("bench-out")
     scratch = tmp_path_factory.mktemp("bench-scratch")
     results_dir = ROOT / "benchmarks" / "results"
-    watched = [ROOT / "docs" / "benchmarks.md", *sorted(results_dir.glob("side-by-side.*"))]
+    names = ["side-by-side.md", "side-by-side.json", *PAGES.values()]
+    watched = [ROOT / "docs" / "benchmarks.md",
+               *(results_dir / n for n in names if (results_dir / n).exists())]  # fmt: skip
     before = {path: path.read_bytes() for path in watched}
     images = {p: p.stat().st_mtime_ns for p in (ROOT / "docs" / "img").glob("bench-*.png")}
+    (out / "hf.md").write_text("# a page of an earlier run\n")  # tiny mode does not run hf
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--tiny", "--out", str(out), "--dir", str(scratch)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -69,6 +73,55 @@ def test_tiny_run_has_a_row_per_tool_with_sane_values(tiny: tuple[dict[str, Any]
         assert f"| {tool.name} |" in table
     for plot in report.PLOTS:
         assert (out / "img" / plot).read_bytes().startswith(b"\x89PNG")
+
+
+def test_every_page_of_a_run_starts_with_the_same_header(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    results, out = tiny
+    pages = sorted(out.glob("*.md"))
+    assert [p.name for p in pages] == [
+        "io.md", "lightning.md", "preflight.md", "side-by-side.md", "trainable.md"
+    ]  # fmt: skip
+    assert not (out / "hf.md").exists()  # an earlier run's page is removed, not left beside
+    assert results["suites"]["hf"] == {"status": "not run in this mode"}
+    line = report.header(results["meta"])
+    assert "--tiny" in line
+    assert results["meta"]["load_after"] in line
+    for page in pages:
+        assert page.read_text().splitlines()[2] == line, page.name
+    assert "- hf: not run in this mode" in (out / "side-by-side.md").read_text()
+    assert results["preflight"]["target_met"] in (True, False)
+    assert set(results["trainable"]["sizes"]) == {"full", "trainable-only"}
+
+
+def test_the_loop_overhead_comes_with_its_interval(tiny: tuple[dict[str, Any], Path]) -> None:
+    results, _ = tiny
+    for name, item in results["loop"]["tools"].items():
+        low, high = item["extra_per_save_interval_s"]
+        assert low <= item["extra_per_save_s"] <= high, name
+        assert item["pairs"] == len(item["plain_segments_s"]) == len(item["saving_segments_s"])
+        assert 0 < item["confidence"] < 1
+        assert item["resolution_at_200"] >= 0
+        assert item["resolved_from_zero"] == (low > 0)
+
+
+def test_a_partial_run_cannot_overwrite_the_published_results() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--suites", "loop"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "need --out" in proc.stderr
+
+
+def test_the_median_interval_covers_what_its_confidence_says() -> None:
+    values = [float(v) for v in range(12)]
+    low, high, confidence = loop.median_interval(values)
+    assert (low, high) == (2.0, 9.0)  # the 3rd smallest and the 3rd largest of 12
+    assert confidence >= 0.95
+    low, high, confidence = loop.median_interval([1.0, 2.0])
+    assert (low, high, confidence) == (1.0, 2.0, 0.5)
 
 
 def _never_opened(folder: Path, model: Any, optimizer: Any) -> Any:

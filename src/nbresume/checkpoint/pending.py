@@ -14,7 +14,8 @@ Checkpointer's, the sharded ones and :meth:`CheckpointStore.save` included, goes
    the pending folder (or moves them there from a folder beside it); :meth:`add_entries`
    records files that other processes (the ranks of a sharded save) wrote into it.
 3. :meth:`commit`: ``manifest.json`` is written last and is the commit marker; on POSIX the
-   folder is fsynced, renamed into place and its parent fsynced. The checkpoint is then
+   files' fsyncs, started as each file was written, are waited for, then the folder is
+   fsynced, renamed into place and its parent fsynced. The checkpoint is then
    checked as the store has it (on a local device's file system the manifest and each file's
    size; elsewhere every byte read back and compared), and only then returned; retention
    applies after that.
@@ -46,7 +47,7 @@ from nbresume.checkpoint.format import (
     is_valid_file_name,
     step_dirname,
 )
-from nbresume.checkpoint.hashing import Digests, default_hash, write_files
+from nbresume.checkpoint.hashing import Digests, DurableCloser, default_hash, write_files
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.reading import verify_folder
 from nbresume.checkpoint.storage import READ_CHUNK, LocalStore, Store
@@ -94,6 +95,14 @@ class PendingCheckpoint:
         #: The hash of every file written here (the store's choice, else the default).
         self.hash = default_hash(getattr(owner, "hash", None))
         self._state = "open"
+        #: Where a store shows the checkpoint only once the commit renames its folder into
+        #: place (POSIX), files are made durable in the background while the next ones and
+        #: the manifest are written; the commit waits for all of them before the rename.
+        self._closer = (
+            DurableCloser(self._backend, threaded=True)
+            if coordinator and self._backend.atomic_rename
+            else None
+        )
         #: The committed manifest's bytes, once :meth:`commit` returned.
         self.manifest_bytes = b""
 
@@ -154,7 +163,12 @@ class PendingCheckpoint:
             self._check_new(name)
         with self._failing(size_of(files), len(files)):
             entries = write_files(
-                self._backend, self.folder, files, md5=self._owner.md5, algorithm=self.hash
+                self._backend,
+                self.folder,
+                files,
+                md5=self._owner.md5,
+                algorithm=self.hash,
+                closer=self._closer,
             )
         self._entries.update(entries)
         if keep:
@@ -257,7 +271,10 @@ class PendingCheckpoint:
         )
         manifest_bytes = manifest.to_bytes()
         with self._failing(manifest.payload_bytes, len(self._entries), counted=True):
-            write_files(self._backend, self.folder, [(MANIFEST_NAME, [manifest_bytes])], md5=False)
+            manifest_file = [(MANIFEST_NAME, [manifest_bytes])]
+            write_files(self._backend, self.folder, manifest_file, md5=False, closer=self._closer)
+            if self._closer is not None:
+                self._closer.finish()  # every file durable before the rename makes them visible
             self._backend.commit(self.folder, final)
         self._state = "committed"
         info = CheckpointInfo(self.step, final, self._backend.child(final), manifest)
@@ -288,6 +305,8 @@ class PendingCheckpoint:
 
     def discard(self) -> None:
         """Remove the pending folder (on the coordinator); nothing a reader takes is left."""
+        if self._closer is not None:
+            self._closer.abandon()  # every file closed before its folder goes
         if self._state == "open" and self._coordinator:
             self._backend.discard(self.folder)
         if self._state == "open":

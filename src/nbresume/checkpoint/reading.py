@@ -9,7 +9,9 @@ The protocol of a read (every function below keeps it):
 2. Every file is read once into memory while threads hash it; its size and hashes are
    checked against the manifest before a byte of it is parsed (:func:`read_verified`). The
    header of a safetensors file alone is checked against the file's size first, so that a
-   file claiming more bytes than it holds is refused before memory is spent on it.
+   file claiming more bytes than it holds is refused before memory is spent on it; only then
+   is the rest of its memory faulted in at once and the rest of the file asked for from the
+   disk (:func:`ready_for_rest`).
 3. Verification (:func:`verify_folder`) reads every file back the same way, or, right after
    a save, compares it byte for byte with the bytes still in memory that were hashed into the
    manifest; it then checks what a load would parse (headers, JSON, ``state.json``). Right
@@ -23,6 +25,7 @@ The protocol of a read (every function below keeps it):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -251,9 +254,12 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
     """Every file of ``files`` read once into a buffer of its own, its size and hashes
     checked against ``files`` before it is returned.
 
-    Each file is read straight into its final buffer in pieces, each piece hashed in a
-    thread while the next is read; the hashes of different files run in parallel (the
-    largest file is read first, so that its hash, the longest, starts first).
+    Each file is read straight into its final buffer in pieces, each piece hashed as it is
+    read (a slow hash in a thread while the next piece is read); the hashes of different
+    files run in parallel (the largest file is read first, so that its hash, the longest,
+    starts first). A tensor file's buffer is populated at once after its header is checked
+    (:func:`ready_for_rest`). The buffers are memory of their own, never a mapping of the
+    files: what is built on them holds no file open.
     """
     pending: list[tuple[str, FileEntry, memoryview, int, Digests]] = []
     try:
@@ -275,7 +281,11 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
                         buffer = new_buffer(min(known, entry.size))
                         size = 0
                         if file_name.endswith(".safetensors"):
-                            size = read_checked_head(handle, buffer, entry.size, digests, where)
+                            size, checked = read_checked_head(
+                                handle, buffer, entry.size, digests, where
+                            )
+                            if checked:
+                                buffer = ready_for_rest(handle, buffer, size)
                         size += read_hashing(handle, buffer[size:], digests)
                         if size == entry.size and handle.read(1):
                             size += 1  # more bytes than the manifest says
@@ -297,11 +307,33 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
             digests.cancel()
 
 
+#: Below this many bytes left to read after a file's header, its buffer is filled as it is.
+READY_MIN_BYTES = 2 * READ_CHUNK
+
+
+def ready_for_rest(handle: IO[bytes], buffer: memoryview, start: int) -> memoryview:
+    """Once a file's header is checked, get the disk and the memory ready for the rest of it:
+    the file is asked for into the page cache (``posix_fadvise(WILLNEED)``, so that the disk
+    reads while memory is prepared), and the bytes read so far move into memory whose pages
+    are all faulted in at once (:func:`new_buffer` with ``populate``), which costs less than
+    a fault per page during the read. Returns the buffer to read the rest into. Only what the
+    read fills anyway is asked for: it runs once the header is checked against the file's
+    size."""
+    if buffer.nbytes - start < READY_MIN_BYTES:
+        return buffer
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # no descriptor, not Linux
+        os.posix_fadvise(handle.fileno(), start, buffer.nbytes - start, os.POSIX_FADV_WILLNEED)
+    ready = new_buffer(buffer.nbytes, populate=True)
+    ready[:start] = buffer[:start]
+    return ready
+
+
 def read_checked_head(
     handle: IO[bytes], buffer: memoryview, total: int, digests: Digests, where: str
-) -> int:
+) -> tuple[int, bool]:
     """Read the first piece of a safetensors file into ``buffer`` (more if its header is
-    longer) and check the header against the file's ``total`` size; return the bytes read.
+    longer) and check the header against the file's ``total`` size; return the bytes read
+    and whether the header was checked (not when the file ends before its header does).
 
     A file that claims more bytes than its tensors account for (a sparse file of gigabytes)
     is refused here, before the rest is read: memory is bounded by what is valid (the
@@ -310,14 +342,14 @@ def read_checked_head(
     """
     size = read_hashing(handle, buffer[:READ_CHUNK], digests)
     if size < 8:
-        return size  # too short: the size check says so
+        return size, False  # too short: the size check says so
     end = 8 + tensorfile.header_length(buffer[:8], total, where=where)
     if size < end:
         size += read_hashing(handle, buffer[size:end], digests)
         if size < end:
-            return size  # cut short: the size check says so
+            return size, False  # cut short: the size check says so
     tensorfile.parse_header(bytes(buffer[:end]), where=where, total=total)
-    return size
+    return size, True
 
 
 def has_manifest(store: Store, name: str) -> bool:

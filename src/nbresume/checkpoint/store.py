@@ -9,15 +9,20 @@ shortest use):
 2. Check free bytes and inodes against the exact size of the checkpoint (every byte of it is
    known before the first write of a ``save``). Refuse with both numbers and the fix when it
    does not fit.
-3. Write every payload file from the bytes in memory while threads of their own hash the same
-   bytes (SHA-256, and MD5 for stores that compare MD5s, such as Google Drive), and make each
-   file durable (:mod:`~nbresume.checkpoint.hashing`). The bytes are not changed during a
-   save: a synchronous save holds the training thread, an asynchronous one writes host copies
-   that nothing else touches. On a POSIX folder this happens in a temporary sibling folder
-   ``.nbresume-tmp-<step>-...``; on an object store, in place, after the manifest of any
-   earlier copy was withdrawn.
+3. Write every payload file from the bytes in memory, hashing the same bytes (XXH3-128 piece
+   by piece as it is written; SHA-256 and MD5, for stores that compare MD5s such as Google
+   Drive, in threads of their own), and make each file durable
+   (:mod:`~nbresume.checkpoint.hashing`). The bytes are not changed during a save: a
+   synchronous save holds the training thread, an asynchronous one writes host copies that
+   nothing else touches. On a POSIX folder this happens in a temporary sibling folder
+   ``.nbresume-tmp-<step>-...`` that no reader takes: there each file's fsync runs in a worker
+   thread while the next files and the manifest are written, and Linux is told to start
+   writing a file's pages to the disk every 32 MiB as it is written; on an object store, in
+   place, after the manifest of any earlier copy was withdrawn, each file closed (durable)
+   before the next.
 4. Write ``manifest.json`` last: every file with its size and hash. It is the commit marker.
-5. POSIX only: fsync the temporary folder, rename it into place, fsync the parent folder.
+5. POSIX only: wait until every file (the manifest included) is fsynced, fsync the temporary
+   folder, rename it into place, fsync the parent folder.
 6. Verify: read the manifest back and compare it with the one written, then read every file
    back from the store and compare it byte for byte with the bytes in memory that were hashed
    into the manifest (this proves what re-hashing would, at the speed of memory); files that

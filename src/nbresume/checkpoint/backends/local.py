@@ -13,7 +13,9 @@ the power-cut tests put a layer that loses what was not synced when the power go
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import io
 import os
 import shutil
 import stat
@@ -46,8 +48,9 @@ class Files:
         os.mkdir(path)
 
     def open_new(self, path: Path) -> IO[bytes]:
-        """A new file, open for writing (refused when the name exists)."""
-        return open(path, "xb")
+        """A new file, open for writing (refused when the name exists); its pages start
+        going to the disk while it is written (:class:`WriteBehindFile`)."""
+        return io.BufferedWriter(WriteBehindFile(path, "xb"))
 
     def sync(self, handle: IO[bytes]) -> None:
         """Make a file's bytes durable (its name is durable once its folder is synced)."""
@@ -66,6 +69,53 @@ class Files:
 
     def remove_tree(self, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
+
+
+#: Bytes written to a file between two starts of its writeback (:class:`WriteBehindFile`).
+WRITE_BEHIND_BYTES = 32 << 20
+
+
+class WriteBehindFile(io.FileIO):
+    """A file being written whose pages are handed to the disk every
+    :data:`WRITE_BEHIND_BYTES` (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which starts
+    the writeback and returns at once), so that the disk writes while the next bytes are still
+    being copied, and the final fsync finds most of the file on the disk already. Without it,
+    a large checkpoint is all dirty pages when its fsync starts: the disk then writes all of it
+    after the copy, not during. Where the call does not exist (not Linux), only the fsync
+    writes. This starts writes earlier; the fsync is still what makes the file durable."""
+
+    _written = 0
+    _started = 0
+
+    def write(self, data: Any) -> int:
+        count = super().write(data)
+        if count:
+            self._written += count
+            if self._written - self._started >= WRITE_BEHIND_BYTES:
+                _start_writeback(self.fileno(), self._started, self._written - self._started)
+                self._started = self._written
+        return count or 0
+
+
+def _libc_sync_file_range() -> Any:
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):  # not Linux
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``length`` bytes from ``offset`` to the disk, without waiting; a hint
+    only: a refusal (a file system without it) changes nothing, the fsync comes anyway."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 #: File systems on a local device: there, what reads back right after a save comes from the

@@ -1,0 +1,111 @@
+"""Restoring files large enough that their memory is prepared before the rest is read (the
+header checked, then the file asked for and every page of its buffer faulted in at once):
+the tensors come back bit for bit, every hash still guards them, and stores whose file
+objects have no descriptor take the same path."""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from nbresume import Checkpointer, CheckpointStore, NoCheckpointError
+from nbresume.checkpoint.format import step_dirname
+
+#: Above the size from which a read prepares the rest of its file (two 8 MiB pieces).
+MB = 1 << 20
+
+
+def big_state(seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    """About 24 MB of float32 in one file, and a small tensor behind it."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "big": torch.randn(6 * MB, generator=generator),
+            "tail": torch.randn(17, generator=generator),
+        }
+    }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bytes(a.numpy()) == bytes(b.numpy())
+
+
+@pytest.mark.parametrize("hash_name", ["xxh3-128", "sha256"])
+def test_a_large_file_is_restored_bit_for_bit(tmp_path: Path, hash_name: str) -> None:
+    state = big_state(0)
+    store = CheckpointStore(tmp_path / "run", keep=None, hash=hash_name)
+    store.save(1, tensors=state)
+    loaded = store.load()
+    assert loaded.step == 1
+    for name, tensor in state["model"].items():
+        assert same_bits(loaded.tensors["model"][name], tensor)
+
+
+@pytest.mark.parametrize("hash_name", ["xxh3-128", "sha256"])
+def test_a_byte_changed_far_into_a_large_file_falls_back_to_the_older_checkpoint(
+    tmp_path: Path, hash_name: str
+) -> None:
+    store = CheckpointStore(tmp_path / "run", keep=None, hash=hash_name)
+    store.save(1, tensors=big_state(1))
+    store.save(2, tensors=big_state(2))
+    path = tmp_path / "run" / step_dirname(2) / "model.safetensors"
+    with open(path, "r+b") as handle:  # a byte past the first pieces: read after the header
+        handle.seek(os.path.getsize(path) - 1000)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.warns(RuntimeWarning, match="mismatch"):
+        loaded = store.load()
+    assert loaded.step == 1
+    assert same_bits(loaded.tensors["model"]["big"], big_state(1)["model"]["big"])
+
+
+def test_a_large_file_cut_short_is_refused(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "run", keep=None)
+    store.save(1, tensors=big_state(3))
+    path = tmp_path / "run" / step_dirname(1) / "model.safetensors"
+    os.truncate(path, os.path.getsize(path) - 100)
+    with pytest.raises(NoCheckpointError, match="size mismatch"):
+        store.load()
+
+
+def test_a_store_without_file_descriptors_restores_a_large_file() -> None:
+    # memory:// files have no descriptor to ask the kernel about: the read goes on without.
+    store = CheckpointStore(f"memory://nbresume-restore-read-{uuid.uuid4().hex}", keep=None)
+    state = big_state(4)
+    store.save(1, tensors=state)
+    loaded = store.load()
+    assert same_bits(loaded.tensors["model"]["big"], state["model"]["big"])
+
+
+def test_a_failed_hash_leaves_the_model_as_the_older_checkpoint_left_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4096, 2048)  # 32 MiB of weights: its file is read the prepared way
+    ckpt = Checkpointer(tmp_path / "run", model=model, every=None, deadline=None, async_save=False)
+    ckpt.save(10)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1)
+    ckpt.save(20)
+    ckpt.close()
+    path = tmp_path / "run" / step_dirname(20) / "model.safetensors"
+    with open(path, "r+b") as handle:
+        handle.seek(os.path.getsize(path) // 2)
+        handle.write(b"\0" * 8)
+
+    restored = nn.Linear(4096, 2048)
+    ckpt = Checkpointer(
+        tmp_path / "run", model=restored, every=None, deadline=None, async_save=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step is named
+        assert ckpt.restore() == 10
+    ckpt.close()
+    for key, value in restored.state_dict().items():
+        assert same_bits(value, saved[key])
