@@ -15,11 +15,20 @@ The framework's callback drives it::
     watch.start(step=trainer_step, total=max_steps)       # the loop begins (main thread)
     ...                                                   # at every step boundary:
     watch.step_done(step)
-    if reason := watch.stop_reason(): save, then watch.stopping(step, reason), end the loop
-    elif watch.save_requested(): save
+    reason, save = watch.decide()                         # agreed over a torch.distributed job
+    if reason: save, then watch.stopping(step, reason), end the loop
+    elif save: save
     ...                                                   # each save:
     info = watch.commit(step, lambda on_committed: pending.commit(on_committed=on_committed))
     watch.finish(step, done=True)                         # the loop ended
+
+Under ``torch.distributed`` (more than one process), every rank runs its own watch: a signal
+reaches one rank, each rank's deadline is measured by its own clock, the panel's button is
+pressed in one process. :meth:`Watch.decide` combines the ranks' requests at every step
+boundary in one small ``all_reduce`` (:meth:`nbresume.checkpoint.distributed.Group.agree`), so
+that every rank saves the same step and stops there: a rank that saved alone (the frameworks'
+saves hold barriers) while another went on to the next step's collectives would hang the job.
+Only rank 0 announces itself to the panel and the status line.
 """
 
 from __future__ import annotations
@@ -32,8 +41,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from nbresume.checkpoint import distributed, hooks, reporting, stops
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint import hooks, reporting, stops
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.deadline import resolve_deadline
 from nbresume.checkpoint.durability import DurabilityWatcher
@@ -57,7 +66,8 @@ class Watch:
         deadline: ``"auto"`` (the platform's session cap), seconds from now, a duration or
             ``None``, as for the Checkpointer.
         callbacks: callables that receive every :class:`~nbresume.checkpoint.events.Event`.
-        announce: tell the notebook panel and the status line about this loop now.
+        announce: tell the notebook panel and the status line about this loop now (a
+            framework passes it for rank 0 only of a ``torch.distributed`` job).
 
     Attributes read by the panel and the status line: :attr:`events`, :attr:`store`,
     :attr:`step`, :attr:`total`, :attr:`epoch`, :attr:`deadline`, :attr:`deadline_source`,
@@ -99,6 +109,9 @@ class Watch:
         self._step_started: float | None = None
         #: Followers of the other stores a framework saves to (by location), on Drive.
         self._watchers: dict[str, DurabilityWatcher] = {}
+        #: The job's processes while a loop runs under ``torch.distributed`` with more than
+        #: one (``None`` with one process: nothing is ever exchanged).
+        self.group: distributed.Group | None = None
         if announce:
             ev.announce(self)
 
@@ -116,6 +129,7 @@ class Watch:
         self.signum = None
         self.running = True
         self._step_started = time.monotonic()
+        self.group = distributed.current()
         if self._previous is None and threading.current_thread() is threading.main_thread():
             self._previous = stops.install(self._on_signal)
 
@@ -146,6 +160,34 @@ class Watch:
         if self.signum is not None:
             return stops.signal_reason(self.signum)
         return stops.deadline_reason(self.deadline, self.deadline_source, self._margin())
+
+    def decide(self) -> tuple[str, bool]:
+        """At a step boundary: why the loop must save and stop (``""`` to go on), and whether
+        to save (the save request is answered).
+
+        Under ``torch.distributed`` with more than one process, every rank must call it at
+        every step boundary: the ranks combine their requests in one small ``all_reduce``, so
+        that a signal, a deadline or a request seen by any rank stops every rank at this same
+        step. A rank stopped by another's signal ends as that signal asks (:meth:`finish`)."""
+        reason, save = self.stop_reason(), self.save_requested()
+        group = self.group
+        if group is None:
+            return reason, save
+        stop, signum, save_flag = group.agree([bool(reason), self.signum or 0, save])
+        if signum and self.signum is None:
+            self.signum = signum  # every rank ends the way the signalled one does
+        if stop and not reason:
+            reason = (
+                f"another process of the job received {signal.Signals(signum).name}"
+                if signum
+                else "another process of the job is stopping"
+            )
+        return reason, bool(save_flag)
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process leads the job (rank 0, or the only process)."""
+        return self.group is None or self.group.rank == 0
 
     def save_requested(self) -> bool:
         """Whether a save was asked for since the last call (the flag is cleared)."""
@@ -285,8 +327,8 @@ class Watch:
             return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if self.after_stop is not None:
-            self.after_stop(signum, step)
+        if self.after_stop is not None and self.leads:
+            self.after_stop(signum, step)  # one action (a requeue) for the whole job
         raise SystemExit(128 + signum)
 
     def close(self) -> None:

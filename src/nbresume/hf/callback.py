@@ -9,6 +9,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.info import CheckpointInfo
+from nbresume.errors import CheckpointError
 from nbresume.frameworks.watch import Watch
 from nbresume.hf.folders import commit_folder, open_store
 
@@ -36,6 +37,8 @@ class Callback(TrainerCallback):
     Before the session deadline, and on SIGTERM, SIGUSR1, an interrupt or the panel's "Stop
     and save", the Trainer saves at the next step boundary and stops. After a signal the
     process then ends as the signal would have (an interrupt raises ``KeyboardInterrupt``).
+    Under DDP the ranks agree on these requests at every step end, so every rank saves the
+    same ``checkpoint-N`` and stops there (and ends as the signalled rank does).
 
     Args:
         deadline: ``"auto"`` (the platform's session cap), seconds from now, a duration
@@ -89,7 +92,14 @@ class Callback(TrainerCallback):
         where = str(args.output_dir)
         if self.watch is None or (self._where, self.watch.store.keep) != (where, keep):
             store = open_store(where, keep=keep)
-            self.watch = Watch(store, deadline=self.deadline, callbacks=self._callbacks)
+            # Under torch.distributed every rank watches (signals, its deadline); rank 0 alone
+            # is shown in the panel and the status line.
+            self.watch = Watch(
+                store,
+                deadline=self.deadline,
+                callbacks=self._callbacks,
+                announce=state.is_world_process_zero,
+            )
             self._where = where
         self.stop_reason = ""
         self.watch.start(state.global_step, state.max_steps or None, epoch=_epoch(state))
@@ -102,12 +112,12 @@ class Callback(TrainerCallback):
             return control
         watch.step_done(state.global_step, total=state.max_steps or None, epoch=_epoch(state))
         if not self.stop_reason:
-            reason = watch.stop_reason()
+            reason, save = watch.decide()  # the same answer on every rank of a DDP job
             if reason:
                 self.stop_reason = reason
                 control.should_save = True
                 control.should_training_stop = True
-            elif watch.save_requested():
+            elif save:
                 control.should_save = True
         if control.should_save and args.should_save:
             self._save_began = watch.save_started(state.global_step)
@@ -117,13 +127,36 @@ class Callback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
     ) -> None:
         watch = self.watch
-        if watch is None or not args.should_save:
+        if watch is None:
             return
         step = state.global_step
-        started, self._save_began = self._save_began, None
-        metrics = _metrics(state)
-        pending = commit_folder(watch.store, step)
-        self.last = watch.commit_pending(pending, metrics, started=started)
+        group = watch.group
+        if group is not None:
+            # Every rank writes its own rng_state_<rank>.pth into the folder, with no barrier
+            # after it: the commit moves the folder's files, so it waits for all of them.
+            group.agree([0])
+        failed: BaseException | None = None
+        if args.should_save:
+            started, self._save_began = self._save_began, None
+            try:
+                pending = commit_folder(watch.store, step)
+                self.last = watch.commit_pending(pending, _metrics(state), started=started)
+            except Exception as error:
+                if group is None:
+                    raise
+                failed = error
+        if group is not None:
+            # A failed commit raises on every rank: none goes on alone into the next step.
+            (any_failed,) = group.agree([failed is not None])
+            if failed is not None:
+                raise failed
+            if any_failed:
+                raise CheckpointError(
+                    f"another process of the job could not commit checkpoint-{step}",
+                    where=str(args.output_dir),
+                    fix="see that process's error; a rerun resumes from the newest "
+                    "checkpoint that verifies",
+                )
         if self.stop_reason:
             watch.stopping(step, self.stop_reason)
 

@@ -4,7 +4,9 @@
   and the session's deadline (``deadline="auto"``: the platform's cap, less the measured
   cost of a save) become a verified save of ``last.ckpt`` at the next step boundary, then a
   clean stop. After a signal the process ends as the signal would have (a Slurm job first
-  asks to be requeued); after an interrupt ``fit()`` simply returns.
+  asks to be requeued); after an interrupt ``fit()`` simply returns. Under DDP the ranks
+  agree on these requests at every step end: every rank saves the same ``last.ckpt`` (rank 0
+  writes it) and stops there.
 - **The panel and the status line** show the run: its step, its saves, the deadline.
 - **Randomness.** The random number generators (Python, NumPy, torch, CUDA) go into every
   checkpoint and are put back before the training loader makes its first iterator, so dropout
@@ -104,8 +106,9 @@ class Callback(pl.Callback):
             self._drop_unknown(trainer, resumed)
         self._rng = None
         self._stopped = ""
-        if trainer.is_global_zero:
-            self._start_watch(trainer)
+        # Every rank of a DDP job watches (its signals, its deadline) and saves with the others
+        # (Lightning's save holds barriers); rank 0 alone is shown and writes.
+        self._start_watch(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         watch = self.watch
@@ -113,13 +116,13 @@ class Callback(pl.Callback):
             return
         step = trainer.global_step
         watch.step_done(step, epoch=trainer.current_epoch)
-        reason = watch.stop_reason()
+        reason, save = watch.decide()  # the same answer on every rank of a DDP job
         if reason:
             self.save(trainer)
             watch.stopping(step, reason)
             self._stopped = reason
             trainer.should_stop = True
-        elif watch.save_requested():
+        elif save:
             self.save(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -169,8 +172,11 @@ class Callback(pl.Callback):
         from nbresume.frameworks.watch import Watch
 
         io = trainer.strategy.checkpoint_io
+        lead = trainer.is_global_zero
         watch = Watch(
-            CheckpointStore(last_path(trainer)), deadline=self.deadline, announce=self.announce
+            CheckpointStore(last_path(trainer)),
+            deadline=self.deadline,
+            announce=self.announce and lead,
         )
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if total is None:
@@ -179,8 +185,8 @@ class Callback(pl.Callback):
             except (TypeError, ValueError, OverflowError, RuntimeError):
                 total = None
         watch.start(step=trainer.global_step, total=total, epoch=trainer.current_epoch)
-        if isinstance(io, CheckpointIO):
-            io.watch = watch
+        if isinstance(io, CheckpointIO) and lead:
+            io.watch = watch  # the process that writes reports the saves
         self.watch = watch
 
     @staticmethod
