@@ -1,11 +1,8 @@
 """The machine's own limits for a given number of bytes, measured on the file system the
 checkpoints go to: the ratios in every table divide by these.
 
-- **raw write+fsync**: one new file written in 8 MiB chunks from memory, ``fsync`` of the
-  file and of its folder. No checkpointer can make the same bytes durable faster. Each
-  repetition writes a file of its own and keeps the earlier ones, as checkpoints are written
-  while the earlier ones are kept: on a virtual disk, writing into blocks just freed can be
-  several times faster than into fresh ones, and the baseline must not get the easy case.
+- **raw write+fsync**: one file written in 8 MiB chunks from memory, ``fsync`` of the file
+  and of its folder. No checkpointer can make the same bytes durable faster.
 - **memory copy**: ``copy_`` of the same bytes into an existing tensor (torch's own threads).
   No asynchronous save can hand training back faster than a copy of the state.
 - **raw cold read**: the file read back into memory after its cached pages were dropped
@@ -45,7 +42,7 @@ def calibrate(folder: Path, nbytes: int, reps: int = 3) -> Calibration:
     scratch.mkdir(parents=True)
     data = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
     view = memoryview(data).cast("B")
-    target = scratch / "raw-0.bin"
+    target = scratch / "raw.bin"
 
     def write() -> None:
         with open(target, "wb", buffering=0) as handle:
@@ -62,8 +59,8 @@ def calibrate(folder: Path, nbytes: int, reps: int = 3) -> Calibration:
                 pass
 
     writes, reads = [], []
-    for rep in range(reps):
-        target = scratch / f"raw-{rep}.bin"
+    for _ in range(reps):
+        target.unlink(missing_ok=True)
         os.sync()
         writes.append(timed(write))
         evict(target)
