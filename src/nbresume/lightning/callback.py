@@ -236,8 +236,8 @@ def last_path(trainer: pl.Trainer) -> str:
     """Where a stop-save goes: ``last.ckpt`` in the first ``ModelCheckpoint``'s folder."""
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath:
-            name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
-            return os.path.join(os.fspath(callback.dirpath), name)
+            name = f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            return os.path.join(str(os.fspath(callback.dirpath)), name)
     return os.path.join(os.fspath(trainer.default_root_dir), "checkpoints", "last.ckpt")
 
 
