@@ -9,7 +9,7 @@ deadline of SECONDS from its start (the other has none). Every rank prints lines
 ``rank R step S``, ``rank R event KIND S`` (nbresume's events but steps), then
 ``rank R final HASH`` when the training ran to its end or ``rank R stopped CODE`` when it
 stopped on a signal or a deadline (the exit status it asked for), then ``rank R teardown``
-just before the rank ends (``os._exit``: torch's own teardown is skipped).
+just before the rank ends (``ddp_rank.end_rank``: torch's own teardown is skipped).
 """
 
 from __future__ import annotations
@@ -25,18 +25,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-import torch.distributed as dist
+from ddp_rank import end_rank, say
 from hf_train import dataset, model, weights_hash
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
 
 import nbresume.hf
-
-
-def say(rank: int, line: str) -> None:
-    """One write per line keeps the lines of two processes on one pipe whole."""
-    sys.stdout.write(f"rank {rank} {line}\n")
-    sys.stdout.flush()
 
 
 class Report(TrainerCallback):
@@ -99,14 +93,7 @@ def main() -> int:
         say(rank, f"stopped {code}")
     else:
         say(rank, f"final {weights_hash(trainer.model)}")
-    # Both ranks end together: none leaves while the other could still be in a collective.
-    dist.barrier()
-    say(rank, "teardown")
-    # Every result is reported. What would follow is torch's teardown alone, which with gloo
-    # sometimes aborts (tests/distributed/teardown.py) or hangs at the interpreter's exit
-    # (seen here 3 times in about 60 runs, after destroy_process_group() had returned): the
-    # rank ends now, with the status the stop asked for.
-    os._exit(code)
+    end_rank(rank, code)
 
 
 if __name__ == "__main__":

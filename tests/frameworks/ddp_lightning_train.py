@@ -22,16 +22,10 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
+from ddp_rank import end_rank, say
 from lightning_train import Net, data
 
 import nbresume.lightning
-
-
-def say(rank: int, line: str) -> None:
-    """One write per line keeps the lines of two processes on one pipe whole."""
-    sys.stdout.write(f"rank {rank} {line}\n")
-    sys.stdout.flush()
 
 
 class Report(L.Callback):
@@ -108,14 +102,7 @@ def main() -> int:
         for name, tensor in sorted(model.state_dict().items()):
             digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
         say(rank, f"final {digest.hexdigest()}")
-    # Both ranks end together: none leaves while the other could still be in a collective.
-    dist.barrier()
-    say(rank, "teardown")
-    # Every result is reported. What would follow is torch's teardown alone, which with gloo
-    # sometimes aborts (tests/distributed/teardown.py) or hangs at the interpreter's exit
-    # (seen here 3 times in about 60 runs, after destroy_process_group() had returned): the
-    # rank ends now, with the status the stop asked for.
-    os._exit(code)
+    end_rank(rank, code)
 
 
 if __name__ == "__main__":
