@@ -13,8 +13,8 @@ the power-cut tests put a layer that loses what was not synced when the power go
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
+import functools
 import io
 import os
 import shutil
@@ -97,7 +97,12 @@ class WriteBehindFile(io.FileIO):
         return count or 0
 
 
+@functools.cache
 def _libc_sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (``None`` where there is none), looked up at the first
+    large write rather than when nbresume is imported."""
+    import ctypes
+
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError, TypeError):  # not Linux
@@ -107,15 +112,15 @@ def _libc_sync_file_range() -> Any:
     return call
 
 
-_SYNC_FILE_RANGE = _libc_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
     """Start writing ``length`` bytes from ``offset`` to the disk, without waiting; a hint
     only: a refusal (a file system without it) changes nothing, the fsync comes anyway."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    call = _libc_sync_file_range()
+    if call is not None:
+        call(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 #: File systems on a local device: there, what reads back right after a save comes from the
