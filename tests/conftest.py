@@ -12,9 +12,13 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from colab_standin.cloud import Cloud
+    from colab_standin.server import DriveServer
 
 # No test may reach a real service. The first-cell internet check probes a public host by
 # default; point it (for this process and every child a test starts) at a closed loopback
@@ -88,3 +92,21 @@ def sha256_of(path: Path) -> str:
 @pytest.fixture
 def sha256() -> Callable[[Path], str]:
     return sha256_of
+
+
+@pytest.fixture
+def cloud(tmp_path: Path) -> Iterator[tuple[Cloud, DriveServer]]:
+    """Google's side of a simulated Drive: the cloud (``tmp_path / "cloud"``, read directly) and
+    the Drive API server over it, on loopback."""
+    pytest.importorskip("googleapiclient", reason="needs google-api-python-client (test extra)")
+    pytest.importorskip("colab_standin", reason="needs the google.colab stand-in (scripts/setup)")
+    from colab_standin.cloud import Cloud
+    from colab_standin.server import DriveServer
+
+    god = Cloud(tmp_path / "cloud")
+    server = DriveServer(str(tmp_path / "cloud")).start()
+    try:
+        yield god, server
+    finally:
+        server.stop()
+        god.close()

@@ -1,40 +1,21 @@
 """Google's side of a simulated Colab for the framework tests on Google Drive.
 
-:func:`cloud` is the cloud folder and the Drive API server on loopback over it, in the test
-process; :func:`vm_env` is the environment of a fresh VM over that cloud: the stand-in
-``google.colab``, whose mount uploads with a lag and loses what it has not uploaded when the VM
-is killed.
+:func:`vm_env` is the environment of a fresh VM over the ``cloud`` fixture (tests/conftest.py):
+the stand-in ``google.colab``, whose mount uploads with a lag and loses what it has not uploaded
+when the VM is killed.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
-    from colab_standin.cloud import Cloud
     from colab_standin.server import DriveServer
-
-
-@pytest.fixture
-def cloud(tmp_path: Path) -> Iterator[tuple[Cloud, DriveServer]]:
-    """The cloud (``tmp_path / "cloud"``, read directly) and the Drive API server over it."""
-    pytest.importorskip("googleapiclient", reason="needs google-api-python-client (test extra)")
-    pytest.importorskip("colab_standin", reason="needs the google.colab stand-in (scripts/setup)")
-    from colab_standin.cloud import Cloud
-    from colab_standin.server import DriveServer
-
-    god = Cloud(tmp_path / "cloud")
-    server = DriveServer(str(tmp_path / "cloud")).start()
-    try:
-        yield god, server
-    finally:
-        server.stop()
-        god.close()
 
 
 @pytest.fixture

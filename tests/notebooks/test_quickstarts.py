@@ -212,23 +212,6 @@ def test_a_kernel_killed_mid_training_resumes_from_its_last_checkpoint_bit_exact
 # -- Colab ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def drive(tmp_path: Path) -> Any:
-    """Google's side of a simulated Drive: a cloud folder and the Drive API on loopback."""
-    pytest.importorskip("googleapiclient", reason="needs google-api-python-client (test extra)")
-    pytest.importorskip("colab_standin", reason="needs the google.colab stand-in (scripts/setup)")
-    from colab_standin.cloud import Cloud
-    from colab_standin.server import DriveServer
-
-    cloud = Cloud(tmp_path / "cloud")
-    server = DriveServer(str(tmp_path / "cloud")).start()
-    try:
-        yield cloud, server
-    finally:
-        server.stop()
-        cloud.close()
-
-
 def colab_env(
     machine: dict[str, str], tmp_path: Path, server: Any, vm: str, open_port: int
 ) -> dict[str, str]:
@@ -248,16 +231,16 @@ def colab_env(
 
 
 def test_colab_a_new_runtime_continues_from_what_reached_drive_bit_exact(
-    reference: Reference, machine: dict[str, str], tmp_path: Path, drive: Any, open_port: int
+    reference: Reference, machine: dict[str, str], tmp_path: Path, cloud: Any, open_port: int
 ) -> None:
     from colab.godview import landed
 
-    cloud, server = drive
+    god, server = cloud
     notebook = NOTEBOOKS / "colab_quickstart.ipynb"
     run = ["nbresume", "colab-quickstart"]
 
     def on_drive() -> set[int]:
-        return {step for step, whole in landed(cloud, run).items() if whole}
+        return {step for step, whole in landed(god, run).items() if whole}
 
     # Runtime 1 disconnects (its kernel and Drive's uploader die at once) after Drive has a
     # checkpoint: whatever had not uploaded by then is gone.
