@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +27,7 @@ from nbresume import knobs
 from nbresume.checkpoint import tensorfile
 from nbresume.checkpoint.format import HASH_ALGORITHM, HASH_DIGITS, FileEntry
 from nbresume.checkpoint.storage import READ_CHUNK, Store, read_into
+from nbresume.checkpoint.workers import Workers
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
 
 #: Files smaller than this are hashed in the calling thread: starting a thread costs more.
@@ -402,52 +402,7 @@ class Digests:
 #: Files made durable at the same time by :class:`DurableCloser`: their fsyncs overlap, and a
 #: journaling file system (ext4, XFS) commits fsyncs that wait together in one journal commit.
 DURABLE_WORKERS = 4
-
-
-class _Workers:
-    """Threads kept from one save to the next, each running jobs (a file's fsync) from one
-    queue: starting a thread costs milliseconds on a busy machine, at every save. A forked
-    child inherits none of its parent's threads: it starts its own."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pid = 0
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-
-    def reset(self) -> None:
-        """Forget the threads (in a forked child, where they do not exist)."""
-        self._lock = threading.Lock()
-        self._pid = 0
-
-    def submit(self, job: Callable[[], None]) -> bool:
-        """Run ``job`` in a worker; ``False`` where no worker can start (an interpreter far in
-        its shutdown): the caller then runs it itself."""
-        with self._lock:
-            if self._pid != os.getpid():
-                jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-                started = [_start_thread(_worker(jobs), "nbresume-fsync")]
-                started += [_start_thread(_worker(jobs), "nbresume-fsync")
-                            for _ in range(DURABLE_WORKERS - 1)]  # fmt: skip
-                if started[0] is None:
-                    return False
-                self._queue, self._pid = jobs, os.getpid()
-            self._queue.put(job)
-        return True
-
-
-def _worker(jobs: queue.SimpleQueue[Callable[[], None]]) -> Callable[[], None]:
-    def run() -> None:
-        while True:
-            job = jobs.get()
-            with contextlib.suppress(BaseException):  # a job reports its own errors
-                job()
-
-    return run
-
-
-_WORKERS = _Workers()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_WORKERS.reset)
+_WORKERS = Workers("nbresume-fsync", DURABLE_WORKERS)
 
 
 class DurableCloser:

@@ -30,6 +30,7 @@ from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.state import STATE_VERSION, capture_rng, flatten
 from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
+from nbresume.checkpoint.workers import Workers
 from nbresume.errors import CheckpointError, NbresumeError
 
 log = logging.getLogger("nbresume")
@@ -155,7 +156,7 @@ class PieceCopy:
     def run(self) -> None:
         """Copy every piece taken; return when all are copied."""
         if len(self._pieces) > 1:
-            _helper().put(lambda: self._work(helper=True))
+            _COPIER.submit(lambda: self._work(helper=True))  # else this thread copies all
         self._work(helper=False)
         with self._lock:
             self._closed = True
@@ -189,25 +190,8 @@ class PieceCopy:
                     self._idle.notify_all()
 
 
-_HELPER: list[tuple[int, Any]] = []
-
-
-def _helper() -> Any:
-    """The queue of the helper thread of :class:`PieceCopy` (kept from one save to the next;
-    a forked child starts its own)."""
-    import os
-    import queue
-
-    if not _HELPER or _HELPER[0][0] != os.getpid():
-        jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-
-        def run() -> None:
-            while True:
-                jobs.get()()
-
-        threading.Thread(target=run, name="nbresume-copy", daemon=True).start()
-        _HELPER[:] = [(os.getpid(), jobs)]
-    return _HELPER[0][1]
+#: The helper thread of :class:`PieceCopy`.
+_COPIER = Workers("nbresume-copy", 1)
 
 
 class BackgroundSave:
