@@ -8,9 +8,10 @@ again), medians reported with the load average at the start and the end:
 - **save**: ``CheckpointStore.save`` until it returns (written, fsynced, committed, checked)
   against a raw write of the same tensor bytes into one file per group plus fsync, with
   XXH3-128 (format v1.1) and with SHA-256 (format v1);
-- **restore**: ``CheckpointStore.load`` (every byte hashed and checked, tensors built) against
-  a raw read of the same files into one reused 8 MiB buffer, cold (the files' pages dropped
-  with posix_fadvise first) and warm;
+- **restore**: ``CheckpointStore.load`` (every byte hashed and checked, tensors built) and
+  ``torch.load`` of the same state against a raw read of the same files into one reused 8 MiB
+  buffer, cold (the files' pages dropped with posix_fadvise first) and warm, with the CPU time
+  each cold restore spends in the kernel and what a first write to fresh memory costs;
 - **where a warm restore's time goes**: the same files read from the page cache into memory
   already touched, with and without XXH3-128, into fresh memory faulted page by page and
   populated at once, and the unmapping of that memory.
@@ -204,8 +205,59 @@ def measure_parts(folder: Path, reps: int) -> dict[str, float]:
     return {part: statistics.median(values) for part, values in times.items()}
 
 
+def kernel_seconds() -> float:
+    """CPU seconds this process has spent in the kernel so far (every thread)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
+def first_touch(nbytes: int) -> tuple[float, float]:
+    """(seconds to write every byte of ``nbytes`` of fresh memory once, seconds to write it
+    again): what a restore pays for memory of its own, whichever library reads the file."""
+    import ctypes
+    import mmap
+
+    memory = mmap.mmap(-1, nbytes)
+    buffer = (ctypes.c_char * nbytes).from_buffer(memory)
+    try:
+        started = time.perf_counter()
+        ctypes.memset(buffer, 1, nbytes)
+        fresh = time.perf_counter() - started
+        started = time.perf_counter()
+        ctypes.memset(buffer, 2, nbytes)
+        return fresh, time.perf_counter() - started
+    finally:
+        del buffer
+        memory.close()
+
+
+#: The restores timed side by side: the floor, nbresume, and torch.load of a torch.save file.
+RESTORES = ("raw read", "nbresume", "torch.load")
+
+
+def restore_once(method: str, folder: Path) -> None:
+    """One restore of ``folder`` by ``method``; what it returns is dropped before it returns."""
+    import torch
+
+    from nbresume import CheckpointStore
+
+    if method == "raw read":
+        raw_read(folder)
+    elif method == "nbresume":
+        loaded = CheckpointStore(folder, keep=None).load()
+        del loaded
+    else:
+        loaded = torch.load(folder / "state.pt", weights_only=True)
+        del loaded
+
+
 def measure_io(sizes: list[float], reps: int, scratch: Path) -> list[dict[str, Any]]:
-    """Per size: medians of save (XXH3-128, SHA-256, raw) and restore (cold, warm, raw)."""
+    """Per size: medians of save (XXH3-128, SHA-256, raw) and restore (cold, warm; raw,
+    nbresume, torch.load), the kernel's CPU time of each cold restore, and fresh memory's
+    first-touch cost."""
+    import torch
+
     from nbresume import CheckpointStore
 
     rows = []
@@ -214,8 +266,10 @@ def measure_io(sizes: list[float], reps: int, scratch: Path) -> list[dict[str, A
         nbytes = sum(t.nbytes for g in state.values() for t in g.values())
         saves: dict[str, list[float]] = {"raw write + fsync": [], "xxh3-128": [], "sha256": []}
         loads: dict[str, list[float]] = {
-            "raw read cold": [], "nbresume cold": [], "raw read warm": [], "nbresume warm": []
-        }  # fmt: skip
+            f"{method} {temperature}": [] for temperature in ("cold", "warm") for method in RESTORES
+        }
+        kernel: dict[str, list[float]] = {method: [] for method in RESTORES}
+        touch: dict[str, list[float]] = {"fresh": [], "touched": []}
         for rep in range(reps):
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
@@ -227,22 +281,29 @@ def measure_io(sizes: list[float], reps: int, scratch: Path) -> list[dict[str, A
                 else:
                     CheckpointStore(target, keep=1, hash=method).save(1, tensors=state)
                 times.append(time.perf_counter() - started)
-            checkpoint, raw = scratch / f"xxh3-128-{rep}", scratch / f"raw write + fsync-{rep}"
+            (scratch / f"torch-{rep}").mkdir()
+            torch.save(state, scratch / f"torch-{rep}" / "state.pt")
+            folders = {
+                "raw read": scratch / f"raw write + fsync-{rep}",
+                "nbresume": scratch / f"xxh3-128-{rep}",
+                "torch.load": scratch / f"torch-{rep}",
+            }
             for temperature in ("cold", "warm"):
-                for method in ("raw read", "nbresume"):
-                    folder = raw if method == "raw read" else checkpoint
+                for method, folder in folders.items():
                     if temperature == "cold":
                         evict(folder)
                     else:
                         raw_read(folder)  # the page cache holds the files
+                    in_kernel = kernel_seconds()
                     started = time.perf_counter()
-                    if method == "raw read":
-                        raw_read(folder)
-                    else:
-                        loaded = CheckpointStore(folder, keep=None).load()
-                        del loaded
+                    restore_once(method, folder)
                     loads[f"{method} {temperature}"].append(time.perf_counter() - started)
-        parts = measure_parts(checkpoint, reps)
+                    if temperature == "cold":
+                        kernel[method].append(kernel_seconds() - in_kernel)
+            fresh, touched = first_touch(nbytes)
+            touch["fresh"].append(fresh)
+            touch["touched"].append(touched)
+        parts = measure_parts(folders["nbresume"], reps)
         shutil.rmtree(scratch, ignore_errors=True)
         rows.append(
             {
@@ -250,6 +311,8 @@ def measure_io(sizes: list[float], reps: int, scratch: Path) -> list[dict[str, A
                 "parts": parts,
                 "save": {k: statistics.median(v) for k, v in saves.items()},
                 "load": {k: statistics.median(v) for k, v in loads.items()},
+                "kernel": {k: statistics.median(v) for k, v in kernel.items()},
+                "touch": {k: statistics.median(v) for k, v in touch.items()},
                 "save_all": saves,
                 "load_all": loads,
             }
@@ -309,21 +372,51 @@ def render(hashes: dict[str, dict[str, float]], rows: list[dict[str, Any]], meta
         "nbresume: `CheckpointStore.load`: every file read once into its own buffer (a "
         "tensor file's buffer populated at once when its header is checked, the rest of the "
         "file asked for ahead), hashed (XXH3-128) as it is read, checked, tensors built on that "
-        "memory, then dropped (`del`). Cold: the files' "
+        "memory, then dropped (`del`). torch.load: `torch.load(weights_only=True)` of the same "
+        "state saved by `torch.save` (nothing checked); it allocates each tensor through the C "
+        "library's allocator, which can hand it memory the previous load in the same process "
+        "freed (tensors under 32 MiB): a restore in a fresh process, the case that matters, is "
+        "timed in `side-by-side.md` (Resume). Cold: the files' "
         "pages dropped with posix_fadvise first (a virtual machine's host may still cache the "
         "disk).",
         "",
-        "| state | raw cold | nbresume cold | ratio | raw warm | nbresume warm | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| state | raw cold | nbresume cold | ratio | torch.load cold | ratio "
+        "| raw warm | nbresume warm | ratio | torch.load warm | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         load = row["load"]
+        cells = [f"{row['mb']:.0f} MB"]
+        for temperature in ("cold", "warm"):
+            raw = load[f"raw read {temperature}"]
+            cells.append(f"{raw:.3f} s")
+            for method in RESTORES[1:]:
+                value = load[f"{method} {temperature}"]
+                cells += [f"{value:.3f} s", f"{value / raw:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "### Where a cold restore's time goes: memory of its own",
+        "",
+        "A restore returns tensors, so it needs memory of its own; a raw read into one reused "
+        "buffer does not. The first write to each page of fresh memory costs the kernel a "
+        "page fault and a zeroed page (and, in a virtual machine, often the host's own fault): "
+        "the rows below time that alone (writing every byte of fresh anonymous memory as large "
+        "as the state, then writing it again), and the CPU time each cold restore above spent "
+        "in the kernel (medians).",
+        "",
+        "| | " + " | ".join(f"{row['mb']:.0f} MB" for row in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+        "| write fresh memory once | "
+        + " | ".join(f"{r['touch']['fresh']:.3f} s" for r in rows)
+        + " |",
+        "| write it again | " + " | ".join(f"{r['touch']['touched']:.3f} s" for r in rows) + " |",
+    ]
+    for method in RESTORES:
         lines.append(
-            f"| {row['mb']:.0f} MB | {load['raw read cold']:.3f} s | "
-            f"{load['nbresume cold']:.3f} s | "
-            f"{load['nbresume cold'] / load['raw read cold']:.2f}x | "
-            f"{load['raw read warm']:.3f} s | {load['nbresume warm']:.3f} s | "
-            f"{load['nbresume warm'] / load['raw read warm']:.2f}x |"
+            f"| {method} cold: in the kernel | "
+            + " | ".join(f"{r['kernel'][method]:.3f} s" for r in rows)
+            + " |"
         )
     lines += [
         "",
