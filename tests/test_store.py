@@ -297,6 +297,7 @@ def test_keep_retains_the_newest(ckpt_dir: Path) -> None:
     for step in range(1, 7):
         save_step(store, step)
         assert steps(store) == list(range(max(1, step - 1), step + 1))
+    store.wait_removals()  # the deleted checkpoints' files are removed in the background
     assert sorted(os.listdir(ckpt_dir)) == [step_dirname(5), step_dirname(6)]
 
 

@@ -328,8 +328,10 @@ def start_moto_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
 def settle(store: CheckpointStore, timeout: float = 60.0) -> None:
     """Behind a write-back cache (Google Drive's mount), retention keeps older checkpoints
     until the durable store confirms the newer ones: wait until it confirms every checkpoint,
-    then apply retention again, as the next save would. Other backends: nothing to do."""
+    then apply retention again, as the next save would. A local folder: wait until what
+    retention took out of view is removed (in the background). Others: nothing to do."""
     backend = store.backend
+    store.wait_removals()
     if not backend.write_back:
         return
     deadline = time.monotonic() + timeout

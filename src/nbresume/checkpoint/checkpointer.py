@@ -547,8 +547,9 @@ class Checkpointer(EpochLoopMixin):
         return self.store.verify()
 
     def close(self) -> None:
-        """Finish the save in flight and raise its error, if any; give back the folder's
-        writer lease (a later save takes it again)."""
+        """Finish the save in flight and raise its error, if any; wait until the checkpoints
+        retention deleted are off the disk; give back the folder's writer lease (a later save
+        takes it again)."""
         atexit.unregister(self._at_exit)
         try:
             self.wait()
@@ -556,6 +557,8 @@ class Checkpointer(EpochLoopMixin):
             self._release_lease()
 
     def _release_lease(self) -> None:
+        # The folder becomes another process's to use: what retention deleted is gone first.
+        self.store.wait_removals()
         if self._lease is not None:
             self._lease.release()
 

@@ -330,7 +330,7 @@ class PendingCheckpoint:
 
     def _retain(self) -> None:
         try:
-            self._owner.prune(verify_kept=False)
+            self._owner._prune(verify_kept=False)  # the removal of the files goes on after
         except OSError as exc:
             # The checkpoint is saved and verified; failing the save now would report a saved
             # checkpoint as lost. The old one stays until the next save's retention.

@@ -31,7 +31,8 @@ shortest use):
    (:mod:`~nbresume.checkpoint.reading`).
 7. Retention: delete checkpoints beyond the policy, oldest first, each withdrawn from view in
    one step (a rename on POSIX, the manifest first on object stores), so a kill at any moment
-   leaves only whole checkpoints.
+   leaves only whole checkpoints. On POSIX the renamed folder's files are removed in the
+   background (:mod:`~nbresume.checkpoint.removals`); the next save waits for that first.
 
 Any failure in 3-5 removes the partial folder and leaves every earlier checkpoint untouched.
 One writer per folder at a time is assumed (a second writer's leftovers would be cleaned).
@@ -44,7 +45,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from nbresume.checkpoint import reading
+from nbresume.checkpoint import reading, removals
 from nbresume.checkpoint.arguments import (
     check_bool,
     check_keep,
@@ -275,7 +276,23 @@ class CheckpointStore:
         deleted on the strength of a corrupt newer copy; folders that fail are reported by
         :meth:`verify` and never deleted here. On a write-back store (Google Drive's mount)
         only checkpoints that the durable store confirmed count as kept.
+
+        Returns once the deleted checkpoints' files are off the disk (the retention that runs
+        after each save returns as soon as they are out of view: see :meth:`wait_removals`).
         """
+        deleted = self._prune(keep, keep_best, verify_kept=verify_kept)
+        self.wait_removals()
+        return deleted
+
+    def _prune(
+        self,
+        keep: int | None = None,
+        keep_best: KeepBest | None = None,
+        *,
+        verify_kept: bool = True,
+    ) -> builtins.list[int]:
+        """:meth:`prune`, returning once the deleted checkpoints are out of view (on a local
+        folder their files are still being removed, in the background)."""
         keep = self.keep if keep is None else check_keep("CheckpointStore.prune", keep)
         best = (
             self.keep_best
@@ -327,6 +344,17 @@ class CheckpointStore:
             self.backend.delete(info.name)
             deleted.append(info.step)
         return deleted
+
+    def wait_removals(self) -> None:
+        """Wait until the checkpoints that retention deleted are off the disk too.
+
+        On a local folder the checkpoint that a save's retention deletes leaves every reader's
+        view before :meth:`save` returns; its files are removed in the background. The next
+        save waits for that removal before it checks free space, and so do :meth:`prune` and a
+        normal exit of the interpreter; call this before copying or archiving the folder from
+        this process. It waits for every such removal this process started.
+        """
+        removals.wait()
 
 
 def _check_keep_best(

@@ -312,11 +312,14 @@ class Watch:
 
     def finish(self, step: int, *, done: bool) -> None:
         """The loop ended at ``step`` (``done``: it ran to its end). Restores the signal
-        handlers; reports ``done``. After a stop on a signal, runs the after-stop action
+        handlers; waits for the removal of the checkpoints retention deleted; reports
+        ``done``. After a stop on a signal, runs the after-stop action
         (a Slurm requeue) and ends the process as the signal would have: ``KeyboardInterrupt``
         for an interrupt, else ``SystemExit(128 + signum)``."""
         self.step = step
         self.running = False
+        # What retention deleted is off the disk before the user's next cell archives the folder.
+        self.store.wait_removals()
         if self._previous is not None:
             stops.restore(self._previous)
             self._previous = None

@@ -191,6 +191,9 @@ class DriveStore(LocalStore):
     #: Another VM sees the writer lease only through Drive's sync, which can lag a renewal by
     #: minutes: a lease is stale later than on other stores.
     lease_expiry_s = 300.0
+    #: delete() removes the local copy before it deletes the files through the Drive API (so
+    #: that the quota comes back): both before it returns.
+    remove_in_background = False
 
     def __init__(
         self,

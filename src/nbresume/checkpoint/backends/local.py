@@ -4,7 +4,9 @@ Protocol (:class:`~nbresume.checkpoint.backends.base.Backend`): a checkpoint is 
 hidden sibling folder, every file and the folder are fsynced, and one atomic rename makes it
 visible; the parent folder is then fsynced so that the rename survives a power cut. A step
 saved again moves the old copy aside first, and :meth:`LocalStore.recover` puts it back if the
-writer was killed in between. Deleting is a rename out of view, then removal.
+writer was killed in between. Deleting is a rename out of view (fsynced), then the removal of the
+hidden folder, in the background (:mod:`nbresume.checkpoint.removals`): the next save, and the
+interpreter's exit, wait for it.
 
 Every file-system call of that protocol goes through one :class:`Files` object (the seam where
 the power-cut tests put a layer that loses what was not synced when the power goes).
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nbresume import knobs
+from nbresume.checkpoint import removals
 from nbresume.checkpoint.backends.base import (
     DELETING_PREFIX,
     REPLACED_PREFIX,
@@ -137,6 +140,9 @@ class LocalStore(Backend):
 
     atomic_rename = True
     atomic_create = True
+    #: Whether :meth:`delete` removes the folder it took out of view in the background
+    #: (:mod:`nbresume.checkpoint.removals`) rather than before it returns.
+    remove_in_background = True
 
     def __init__(self, root: str | os.PathLike[str], *, files: Files | None = None) -> None:
         self.root = Path(root).expanduser()
@@ -197,6 +203,7 @@ class LocalStore(Backend):
             return [e.name for e in entries if e.is_file(follow_symlinks=False)]
 
     def begin(self, final: str) -> str:
+        removals.wait()  # the space of the checkpoints retention deleted is back first
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"{TEMP_PREFIX}{final}-{_token()}"
         self.files.make_folder(self.root / name)
@@ -242,19 +249,24 @@ class LocalStore(Backend):
         return os.fdopen(fd, "rb")
 
     def delete(self, folder: str) -> None:
-        # One atomic rename takes the checkpoint out of every reader's view; the slow removal
-        # happens afterwards, and a kill in the middle of it leaves only a hidden folder.
+        # One atomic rename takes the checkpoint out of every reader's view, durably before
+        # this returns; the slow removal happens afterwards, in the background, and a kill in
+        # the middle of it leaves only a hidden folder that the next recover() removes.
         self._check_writer()
         doomed = self.root / f"{DELETING_PREFIX}{folder}-{_token()}"
         self.files.rename(self.root / folder, doomed)
         self.files.sync_folder(self.root)
-        self.files.remove_tree(doomed)
+        if self.remove_in_background:
+            removals.start(functools.partial(self.files.remove_tree, doomed))
+        else:
+            self.files.remove_tree(doomed)
 
     def discard(self, folder: str) -> None:
         self.files.remove_tree(self.root / folder)
 
     def recover(self, current: str) -> list[str]:
         self._check_writer()
+        removals.wait()  # a hidden folder being removed in the background is not a leftover
         cleaned = []
         for name in self.list_folders():
             if name == current or not name.startswith((TEMP_PREFIX, RETIRED_PREFIX)):
