@@ -67,13 +67,25 @@ def fsync_path(path: Path) -> None:
 
 
 def files_below(folder: Path) -> list[Path]:
-    return [p for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else [folder]
+    """The files below ``folder`` (``folder`` itself if it is a file). os.walk passes over a
+    folder that vanishes while it is listed (an old checkpoint being removed meanwhile)."""
+    if not folder.is_dir():
+        return [folder]
+    return [
+        Path(root, name)
+        for root, _, names in os.walk(folder)
+        for name in names
+        if Path(root, name).is_file()
+    ]
 
 
 def evict(folder: Path) -> None:
     """Drop the cached pages of every file below ``folder`` (clean pages: flushed first)."""
     for path in files_below(folder):
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # removed since it was listed
+            continue
         try:
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -82,7 +94,11 @@ def evict(folder: Path) -> None:
 
 
 def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in files_below(folder)) if folder.exists() else 0
+    total = 0
+    for path in files_below(folder) if folder.exists() else []:
+        with contextlib.suppress(FileNotFoundError):  # removed since it was listed
+            total += path.stat().st_size
+    return total
 
 
 # -- peak memory ----------------------------------------------------------------------------

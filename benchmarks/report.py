@@ -213,7 +213,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"State of {cal['bytes'] / 1e6:.0f} MB; raw cold read "
                 f"{_seconds(cal['cold_read_s'])}. Trained {s['steps']} steps, saved, "
                 f"{s['more']} more steps compared with a fresh process's restore + the same "
-                "steps.", ""]  # fmt: skip
+                f"steps. Restore: the median of {s.get('reps', 1)} fresh processes per tool, "
+                "tools interleaved; bit-exact in every one of them or not.", ""]  # fmt: skip
         rows = []
         for name, item in resume["tools"].items():
             if not _ok(item):

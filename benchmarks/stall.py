@@ -14,6 +14,7 @@ allocates its copy buffers.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -55,7 +56,8 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         if rep == 0:
             written = folder_bytes(folder)
         for path in files_below(folder):  # write-back left by a tool that does not fsync
-            fsync_path(path)
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile (old checkpoints)
+                fsync_path(path)
     extra = peak.extra()
     session.close()
     shutil.rmtree(folder, ignore_errors=True)
