@@ -232,6 +232,45 @@ def first_touch(nbytes: int) -> tuple[float, float]:
         memory.close()
 
 
+#: The parts of an asynchronous save's blocked time, each timed alone on the io suite's state.
+SNAPSHOT_PARTS = (
+    "copy_ of one tensor as large as the state (the stall suite's memory copy)",
+    "copy_ of each tensor into kept buffers (torch's threads)",
+    "nbresume's snapshot copy into kept buffers (8 MiB pieces, two threads)",
+    "nbresume's flattening of the state (names and layout)",
+)
+
+
+def measure_snapshot(state: dict[str, dict[str, Any]], reps: int) -> dict[str, float]:
+    """Medians of the parts of an asynchronous save's blocked time (repetitions interleaved);
+    every destination is written once before it is timed, as kept buffers are."""
+    import torch
+
+    from nbresume.checkpoint.snapshot import HostBuffers
+    from nbresume.checkpoint.state import flatten
+
+    tensors = [t for group in state.values() for t in group.values()]
+    source = torch.cat([t.reshape(-1) for t in tensors])
+    target = torch.empty_like(source)
+    kept = [torch.empty_like(t) for t in tensors]
+    buffers = HostBuffers()
+    jobs: dict[str, Callable[[], object]] = {
+        SNAPSHOT_PARTS[0]: lambda: target.copy_(source),
+        SNAPSHOT_PARTS[1]: lambda: [k.copy_(t) for k, t in zip(kept, tensors, strict=True)],
+        SNAPSHOT_PARTS[2]: lambda: buffers.copy(state),
+        SNAPSHOT_PARTS[3]: lambda: [flatten(group, name=name) for name, group in state.items()],
+    }
+    times: dict[str, list[float]] = {part: [] for part in SNAPSHOT_PARTS}
+    for job in jobs.values():
+        job()  # the destinations' pages are faulted in once
+    for _ in range(max(3, reps)):
+        for part, job in jobs.items():
+            started = time.perf_counter()
+            job()
+            times[part].append(time.perf_counter() - started)
+    return {part: statistics.median(values) for part, values in times.items()}
+
+
 #: The restores timed side by side: the floor, nbresume, and torch.load of a torch.save file.
 RESTORES = ("raw read", "nbresume", "torch.load")
 
@@ -305,10 +344,12 @@ def measure_io(sizes: list[float], reps: int, scratch: Path) -> list[dict[str, A
             touch["touched"].append(touched)
         parts = measure_parts(folders["nbresume"], reps)
         shutil.rmtree(scratch, ignore_errors=True)
+        snapshot = measure_snapshot(state, reps)
         rows.append(
             {
                 "mb": nbytes / MB,
                 "parts": parts,
+                "snapshot": snapshot,
                 "save": {k: statistics.median(v) for k, v in saves.items()},
                 "load": {k: statistics.median(v) for k, v in loads.items()},
                 "kernel": {k: statistics.median(v) for k, v in kernel.items()},
@@ -440,6 +481,23 @@ def render(hashes: dict[str, dict[str, float]], rows: list[dict[str, Any]], meta
         + " | ".join(f"{r['load']['nbresume warm']:.3f} s" for r in rows)
         + " |"
     )
+    lines += [
+        "",
+        "### What an asynchronous save's copy costs",
+        "",
+        "An asynchronous save blocks training while it copies the state into buffers it keeps "
+        "from one save to the next; the stall suite divides that time by one `copy_` of a "
+        "single tensor as large as the state. Each part below is timed alone on this suite's "
+        "state (tensors of 4 MiB; medians, repetitions interleaved, destinations written once "
+        "before).",
+        "",
+        "| part | " + " | ".join(f"{row['mb']:.0f} MB" for row in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    for part in SNAPSHOT_PARTS:
+        lines.append(
+            f"| {part} | " + " | ".join(f"{r['snapshot'][part]:.3f} s" for r in rows) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
