@@ -8,8 +8,9 @@ for 500 MB. That removal runs in a kept thread (:class:`~nbresume.checkpoint.wor
 so that a save does not wait for it. What needs the disk space back waits for it first:
 
 - the next save of this process, before it cleans up, checks free space and writes
-  (:meth:`LocalStore.recover <nbresume.checkpoint.backends.local.LocalStore.recover>` and
-  ``begin`` call :func:`wait`);
+  (:meth:`LocalStore.recover <nbresume.checkpoint.backends.local.LocalStore.recover>`, which
+  every ``begin`` follows, calls :func:`wait`), and a framework's save that writes its own
+  folder (``Watch.save_started``);
 - :meth:`CheckpointStore.wait_removals <nbresume.checkpoint.store.CheckpointStore.wait_removals>`
   and a Checkpointer giving back its writer lease (``close()``, the end of a run);
 - a normal interpreter exit (an ``atexit`` hook; removals started after it run in the caller),

@@ -215,7 +215,11 @@ class Watch:
 
     def save_started(self, step: int) -> float:
         """The framework starts writing the checkpoint of ``step`` now: report it, and return
-        the time to hand to :meth:`commit` (the save's cost counts from here)."""
+        the time to hand to :meth:`commit` (the save's cost counts from here). A framework
+        that writes its own folder (the Trainer) does not pass through the store's cleanup,
+        so the removal of what retention deleted is waited for here: the new checkpoint
+        finds the disk space the synchronous removal used to leave."""
+        self.store.wait_removals()
         self.events.emit(ev.SAVE_STARTED, step)
         return time.monotonic()
 

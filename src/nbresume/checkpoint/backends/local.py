@@ -203,7 +203,6 @@ class LocalStore(Backend):
             return [e.name for e in entries if e.is_file(follow_symlinks=False)]
 
     def begin(self, final: str) -> str:
-        removals.wait()  # the space of the checkpoints retention deleted is back first
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"{TEMP_PREFIX}{final}-{_token()}"
         self.files.make_folder(self.root / name)
@@ -266,7 +265,9 @@ class LocalStore(Backend):
 
     def recover(self, current: str) -> list[str]:
         self._check_writer()
-        removals.wait()  # a hidden folder being removed in the background is not a leftover
+        # The space of what retention deleted is back before the next save checks it and
+        # writes (every begin() follows a recover()), and no folder is removed twice at once.
+        removals.wait()
         cleaned = []
         for name in self.list_folders():
             if name == current or not name.startswith((TEMP_PREFIX, RETIRED_PREFIX)):
