@@ -25,7 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from ddp_rank import end_rank, say
+from ddp_rank import deadline_on, end_rank, say
 from hf_train import dataset, model, weights_hash
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
@@ -55,10 +55,7 @@ def main() -> int:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     say(rank, f"pid {os.getpid()}")
-    deadline: float | None = None
-    if options.deadline_on_rank:
-        on, seconds = options.deadline_on_rank.split(":")
-        deadline = float(seconds) if int(on) == rank else None
+    deadline = deadline_on(rank, options.deadline_on_rank)
 
     def trace(event: Any) -> None:
         if event.kind != "step":

@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from ddp_rank import end_rank, say
+from ddp_rank import deadline_on, end_rank, say
 from lightning_train import Net, data
 
 import nbresume.lightning
@@ -64,10 +64,7 @@ def main() -> int:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     say(rank, f"pid {os.getpid()}")
-    deadline: float | None = None
-    if options.deadline_on_rank:
-        on, seconds = options.deadline_on_rank.split(":")
-        deadline = float(seconds) if int(on) == rank else None
+    deadline = deadline_on(rank, options.deadline_on_rank)
     L.seed_everything(7, workers=True, verbose=False)
     ckpts = options.root / "ckpts"
 

@@ -1,5 +1,5 @@
 """What the two-rank framework scripts (``ddp_hf_train.py``, ``ddp_lightning_train.py``) share:
-one line per event on stdout, and the end of a rank."""
+one line per event on stdout, the deadline of one rank, and the end of a rank."""
 
 from __future__ import annotations
 
@@ -12,6 +12,15 @@ def say(rank: int, line: str) -> None:
     """One write per line keeps the lines of two processes on one pipe whole."""
     sys.stdout.write(f"rank {rank} {line}\n")
     sys.stdout.flush()
+
+
+def deadline_on(rank: int, spec: str) -> float | None:
+    """The deadline this rank's callback gets from ``--deadline-on-rank RANK:SECONDS``
+    (``None`` on the other ranks, and when the option is empty)."""
+    if not spec:
+        return None
+    on, seconds = spec.split(":")
+    return float(seconds) if int(on) == rank else None
 
 
 def end_rank(rank: int, code: int) -> NoReturn:
