@@ -364,6 +364,19 @@ def measure_io(sizes: list[float], reps: int, scratch: Path) -> list[dict[str, A
 # -- the report ---------------------------------------------------------------------------
 
 
+def by_size(rows: list[dict[str, Any]], first: str, cells: dict[str, Callable[[Any], float]]
+            ) -> list[str]:  # fmt: skip
+    """A table with a column per state size: one row per label of ``cells``, its seconds taken
+    from each size's row."""
+    lines = [
+        f"| {first} | " + " | ".join(f"{row['mb']:.0f} MB" for row in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    for label, seconds in cells.items():
+        lines.append(f"| {label} | " + " | ".join(f"{seconds(r):.3f} s" for r in rows) + " |")
+    return lines
+
+
 def render(hashes: dict[str, dict[str, float]], rows: list[dict[str, Any]], meta: dict[str, str],
            reps: int) -> str:  # fmt: skip
     lines = [
@@ -446,19 +459,14 @@ def render(hashes: dict[str, dict[str, float]], rows: list[dict[str, Any]], meta
         "as the state, then writing it again), and the CPU time each cold restore above spent "
         "in the kernel (medians).",
         "",
-        "| | " + " | ".join(f"{row['mb']:.0f} MB" for row in rows) + " |",
-        "|---|" + "---:|" * len(rows),
-        "| write fresh memory once | "
-        + " | ".join(f"{r['touch']['fresh']:.3f} s" for r in rows)
-        + " |",
-        "| write it again | " + " | ".join(f"{r['touch']['touched']:.3f} s" for r in rows) + " |",
     ]
+    memory: dict[str, Callable[[Any], float]] = {
+        "write fresh memory once": lambda r: r["touch"]["fresh"],
+        "write it again": lambda r: r["touch"]["touched"],
+    }
     for method in RESTORES:
-        lines.append(
-            f"| {method} cold: in the kernel | "
-            + " | ".join(f"{r['kernel'][method]:.3f} s" for r in rows)
-            + " |"
-        )
+        memory[f"{method} cold: in the kernel"] = lambda r, m=method: r["kernel"][m]
+    lines += by_size(rows, "what", memory)
     lines += [
         "",
         "### Where a warm restore's time goes",
@@ -471,16 +479,12 @@ def render(hashes: dict[str, dict[str, float]], rows: list[dict[str, Any]], meta
         "memory in one go when its header is checked (`MAP_POPULATE`), which costs less than "
         "a fault per page.",
         "",
-        "| part | " + " | ".join(f"{row['mb']:.0f} MB" for row in rows) + " |",
-        "|---|" + "---:|" * len(rows),
     ]
-    for part in PARTS:
-        lines.append(f"| {part} | " + " | ".join(f"{r['parts'][part]:.3f} s" for r in rows) + " |")
-    lines.append(
-        "| nbresume warm (the table above) | "
-        + " | ".join(f"{r['load']['nbresume warm']:.3f} s" for r in rows)
-        + " |"
-    )
+    warm: dict[str, Callable[[Any], float]] = {
+        part: lambda r, p=part: r["parts"][p] for part in PARTS
+    }
+    warm["nbresume warm (the table above)"] = lambda r: r["load"]["nbresume warm"]
+    lines += by_size(rows, "part", warm)
     lines += [
         "",
         "### What an asynchronous save's copy costs",
@@ -491,13 +495,8 @@ def render(hashes: dict[str, dict[str, float]], rows: list[dict[str, Any]], meta
         "state (tensors of 4 MiB; medians, repetitions interleaved, destinations written once "
         "before).",
         "",
-        "| part | " + " | ".join(f"{row['mb']:.0f} MB" for row in rows) + " |",
-        "|---|" + "---:|" * len(rows),
     ]
-    for part in SNAPSHOT_PARTS:
-        lines.append(
-            f"| {part} | " + " | ".join(f"{r['snapshot'][part]:.3f} s" for r in rows) + " |"
-        )
+    lines += by_size(rows, "part", {p: lambda r, p=p: r["snapshot"][p] for p in SNAPSHOT_PARTS})
     return "\n".join(lines) + "\n"
 
 
