@@ -132,6 +132,11 @@ def train(
 
     def hung() -> None:
         run.hung = True
+        # The trainer dumps every thread's stack on SIGUSR2 (into stderr, which the report
+        # shows): where a hung run waits is then known, not guessed.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR2)
+        time.sleep(2.0)
         kill_group(signal.SIGKILL)
 
     watchdog = threading.Timer(HUNG_AFTER_S, hung)

@@ -14,8 +14,10 @@ the public ``callbacks=`` API, so that a test can act at a known point of a save
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import random
+import signal
 import sys
 
 import numpy as np
@@ -24,6 +26,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import nbresume
+
+# A run the test runner finds hung gets SIGUSR2 first: every thread's stack goes to stderr,
+# which the failure report shows.
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 class NoisyDigits(Dataset[tuple[torch.Tensor, torch.Tensor]]):
