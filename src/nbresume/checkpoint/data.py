@@ -22,6 +22,7 @@ import hashlib
 import random
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from nbresume.checkpoint.health import DataWait
@@ -73,29 +74,9 @@ class _SeededDataset:
         return getattr(self.dataset, name)
 
     def __getitem__(self, index: int) -> Any:
-        import torch
-
         _SAMPLE_CONTEXT["seed"], _SAMPLE_CONTEXT["epoch"] = self.seed, self.epoch
-        value = sample_seed(index)
-        numpy = sys.modules.get("numpy")
-        saved = (
-            torch.get_rng_state(),
-            random.getstate(),
-            numpy.random.get_state() if numpy else None,
-        )
-        # The CPU generator only: torch.manual_seed would also reseed CUDA, which the training
-        # loop draws dropout masks from.
-        torch.default_generator.manual_seed(value)
-        random.seed(value)
-        if numpy is not None:
-            numpy.random.seed(value % (2**32))
-        try:
+        with _host_streams_seeded(sample_seed(index)):
             return self.dataset[index]
-        finally:
-            torch.set_rng_state(saved[0])
-            random.setstate(saved[1])
-            if numpy is not None:
-                numpy.random.set_state(saved[2])
 
 
 class _WorkerInit:
@@ -139,6 +120,112 @@ def _end_on_sigterm_from_parent() -> None:
         sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
         if sender == parent or os.getppid() != parent:
             os._exit(0)
+
+
+#: The samplers of torch whose draws all come from their ``generator`` attribute (``None``:
+#: torch's global CPU generator). Matched by exact type: a subclass may draw elsewhere.
+_OWN_GENERATOR_SAMPLERS = (
+    "RandomSampler",
+    "SubsetRandomSampler",
+    "WeightedRandomSampler",
+)
+#: torch's samplers that draw nothing (or only from their own seed and epoch).
+_DRAWLESS_SAMPLERS = ("SequentialSampler", "BatchSampler", "DistributedSampler")
+
+
+def _sampler_parts(source: Any) -> list[Any]:
+    """``source`` and the samplers it wraps (``.sampler``, ``.batch_sampler``), outermost
+    first."""
+    parts: list[Any] = []
+    while source is not None and all(source is not p for p in parts) and len(parts) < 8:
+        parts.append(source)
+        inner = getattr(source, "sampler", None)
+        source = inner if inner is not None else getattr(source, "batch_sampler", None)
+    return parts
+
+
+def _is_torch_sampler(part: Any, names: tuple[str, ...]) -> bool:
+    kind = type(part)
+    return kind.__module__.startswith("torch.utils.data") and kind.__name__ in names
+
+
+@contextmanager
+def _private_generators(source: Any, seed: int) -> Iterator[bool]:
+    """While the sampler tree ``source`` is read, every sampler's ``generator`` is one of
+    nbresume's own, seeded from ``seed``; the user's generator objects are put back after,
+    untouched. Yields whether some part may draw from the global streams (a sampler nbresume
+    does not know, or one whose generator cannot be replaced)."""
+    import torch
+
+    swapped: list[tuple[Any, Any]] = []
+    on_global_streams = False
+    try:
+        for part in _sampler_parts(source):
+            if _is_torch_sampler(part, _DRAWLESS_SAMPLERS):
+                continue
+            known = _is_torch_sampler(part, _OWN_GENERATOR_SAMPLERS)
+            current = getattr(part, "generator", None)
+            if not known and not isinstance(current, torch.Generator):
+                on_global_streams = True
+                continue
+            ours = torch.Generator().manual_seed(seed)
+            if current is None and _is_torch_sampler(part, ("RandomSampler",)):
+                # RandomSampler without a generator seeds a fresh one from a draw of the global
+                # generator: the same draw from ours keeps every order nbresume gave before.
+                first = int(torch.empty((), dtype=torch.int64).random_(generator=ours).item())
+                ours = torch.Generator().manual_seed(first)
+            try:
+                part.generator = ours
+            except AttributeError:  # a read-only property: read under the seed instead
+                on_global_streams = True
+                continue
+            swapped.append((part, current))
+            on_global_streams = on_global_streams or not known
+        yield on_global_streams
+    finally:
+        for part, current in reversed(swapped):
+            part.generator = current
+
+
+def _read(source: Any, custom_batches: bool) -> tuple[list[list[int]] | None, list[int] | None]:
+    if custom_batches:
+        return [list(b) for b in source], None
+    return None, [int(i) for i in source]
+
+
+def _read_under_seed(
+    source: Any, seed: int, custom_batches: bool
+) -> tuple[list[list[int]] | None, list[int] | None]:
+    """Read a sampler that draws from the global host streams (torch's CPU generator,
+    ``random``, NumPy: a bucketing sampler that shuffles with ``random.shuffle``, say) under
+    the epoch's seed, and put the user's states back exactly. A device's generator is never
+    touched: such a sampler's order is a host matter."""
+    with _host_streams_seeded(seed):
+        return _read(source, custom_batches)
+
+
+@contextmanager
+def _host_streams_seeded(seed: int) -> Iterator[None]:
+    """The host streams seeded with ``seed`` inside, exactly as they were after."""
+    import torch
+
+    numpy = sys.modules.get("numpy")
+    saved = (
+        torch.default_generator.get_state(),
+        random.getstate(),
+        numpy.random.get_state() if numpy is not None else None,
+    )
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed % (2**32))
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(saved[0])
+        random.setstate(saved[1])
+        if numpy is not None:
+            numpy.random.set_state(saved[2])
 
 
 class EpochLoop(Protocol):
@@ -221,24 +308,22 @@ class ResumableLoader:
         self.finished_in = state.get("finished_in", -1)  # absent before loop shapes were tracked
 
     def _epoch_indices(self) -> tuple[list[list[int]] | None, list[int] | None]:
-        """Batches of indices (custom batch sampler) or sample indices of this epoch."""
-        import torch
+        """Batches of indices (custom batch sampler) or sample indices of this epoch, drawn
+        from generators of nbresume's own, seeded by ``(seed, epoch)`` alone."""
         from torch.utils.data import BatchSampler
 
         loader = self.loader
         seed = epoch_seed(self.seed, self.epoch)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            sampler = loader.sampler
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
-            generator = getattr(sampler, "generator", None)
-            if isinstance(generator, torch.Generator):
-                generator.manual_seed(seed)
-            batch_sampler = loader.batch_sampler
-            if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
-                return [list(b) for b in batch_sampler], None
-            return None, [int(i) for i in sampler]
+        sampler, batch_sampler = loader.sampler, loader.batch_sampler
+        custom_batches = batch_sampler is not None and type(batch_sampler) is not BatchSampler
+        source = batch_sampler if custom_batches else sampler
+        for part in _sampler_parts(source):
+            if hasattr(part, "set_epoch"):
+                part.set_epoch(self.epoch)
+        with _private_generators(source, seed) as on_global_streams:
+            if on_global_streams:
+                return _read_under_seed(source, seed, custom_batches)
+            return _read(source, custom_batches)
 
     def _make_loader(self, skip: int) -> Any:
         import torch
@@ -337,3 +422,8 @@ class ResumableLoader:
             )
         while True:
             yield from self
+
+
+#: Where nbresume seeds the host streams itself, each time putting the user's states back
+#: exactly before returning (tests/test_rng_guest.py checks both).
+SCOPED_SEEDING: tuple[Callable[..., Any], ...] = (_SeededDataset.__getitem__, _read_under_seed)
