@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 from nbresume.checkpoint.arguments import check_bool
 
@@ -43,33 +43,58 @@ NOT_EXACT = (
 def enable(*, warn_only: bool = False) -> list[str]:
     """Make PyTorch's CUDA (and CPU) kernels deterministic; return what was set.
 
-    Sets ``CUBLAS_WORKSPACE_CONFIG`` (cuBLAS reads it when it first runs, so call this
-    before any CUDA matmul), ``torch.use_deterministic_algorithms(True)``,
-    ``torch.backends.cudnn.deterministic = True`` and ``torch.backends.cudnn.benchmark =
-    False``. With ``warn_only``, an operation without a deterministic kernel warns instead
-    of raising (and the run is then not guaranteed bit-exact). See :data:`COST`.
+    Sets ``CUBLAS_WORKSPACE_CONFIG`` (if a CUDA matmul already ran, cuBLAS's workspaces are
+    released so that the next one allocates deterministic ones),
+    ``torch.use_deterministic_algorithms(True)``, ``torch.backends.cudnn.deterministic =
+    True`` and ``torch.backends.cudnn.benchmark = False``. With ``warn_only``, an operation
+    without a deterministic kernel warns instead of raising (and the run is then not
+    guaranteed bit-exact). See :data:`COST`.
     """
     import torch
 
     done = []
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in _DETERMINISTIC_WORKSPACES:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            # cuBLAS fixes its workspace when its handle is created, at the first matmul on a
-            # device: if that already happened, the variable set now comes too late for it.
-            log.warning(
-                "nbresume: deterministic=True was asked for after CUDA started in this "
-                "process; set it in the first cell (or CUBLAS_WORKSPACE_CONFIG=%s before "
-                "Python starts) so that cuBLAS is deterministic too",
-                CUBLAS_WORKSPACE_CONFIG,
-            )
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
         done.append(f"CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE_CONFIG}")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            _renew_cublas_workspaces(torch)
     torch.use_deterministic_algorithms(True, warn_only=warn_only)
     done.append("torch.use_deterministic_algorithms(True)")
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     done.append("cudnn.deterministic=True, cudnn.benchmark=False")
     return done
+
+
+def _renew_cublas_workspaces(torch: Any) -> None:
+    """CUDA has started: a cuBLAS workspace exists only if a matmul already ran. PyTorch
+    reads ``CUBLAS_WORKSPACE_CONFIG`` whenever it hands a workspace to cuBLAS, but sizes the
+    workspace once, when it allocates it: one allocated before the variable was set keeps
+    its old size. Releasing the workspaces makes the next matmul allocate them at the
+    deterministic size. The usual order (``model.cuda()``, then ``deterministic=True``)
+    allocates none, so it needs nothing and says nothing."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        log.warning(
+            "nbresume: deterministic=True was asked for after CUDA started, and this PyTorch "
+            "cannot release cuBLAS's workspaces: if a matmul already ran on the GPU, cuBLAS "
+            "may not be deterministic; set it in the first cell (or CUBLAS_WORKSPACE_CONFIG=%s "
+            "before Python starts)",
+            CUBLAS_WORKSPACE_CONFIG,
+        )
+        return
+    devices = range(torch.cuda.device_count())
+    before = sum(torch.cuda.memory_allocated(d) for d in devices)
+    torch.cuda.synchronize()  # a kernel still running may be using a workspace
+    clear()
+    released = before - sum(torch.cuda.memory_allocated(d) for d in devices)
+    if released > 0:
+        log.info(
+            "nbresume: deterministic=True came after a CUDA matmul had run: cuBLAS's "
+            "workspaces (%d bytes) were released, so that the next matmul uses the "
+            "deterministic ones",
+            released,
+        )
 
 
 def enabled() -> bool:
