@@ -38,6 +38,7 @@ from nbresume.errors import (
     UsageError,
 )
 from nbresume.platforms import session_deadline as _session_deadline
+from nbresume.platforms.cgroup import available_memory as _available_memory
 from nbresume.platforms.cgroup import cap_threads
 from nbresume.platforms.cgroup import read_cpu as _read_cpu
 from nbresume.preflight import Check, Report, preflight
@@ -48,6 +49,7 @@ from nbresume.slurm import after_stop_save as _slurm_after_stop_save
 _hooks.provide_session_deadline(_session_deadline)
 _hooks.provide_after_stop_save(_slurm_after_stop_save)  # in a Slurm job: ask for a requeue
 _hooks.provide_usable_cpus(lambda: _read_cpu().usable)
+_hooks.provide_available_memory(_available_memory)  # a save's host copy must fit in it
 # A Checkpointer that nothing shows (a plain script without init) shows a status line on stderr.
 
 

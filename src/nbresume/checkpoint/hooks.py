@@ -9,7 +9,10 @@ The protocol: nothing under ``checkpoint/`` imports a platform module. The layer
   :class:`~nbresume.checkpoint.checkpointer.Checkpointer` takes from :data:`after_stop_save`
   as its ``after_stop`` when it is made; ``None``: no action;
 - how many CPUs this container may really use (:func:`provide_usable_cpus`), which the
-  input-bound advice asks for through :func:`usable_cpus`; no provider: unknown.
+  input-bound advice asks for through :func:`usable_cpus`; no provider: unknown;
+- how much memory this process may still allocate (:func:`provide_available_memory`), which
+  a save asks for through :func:`available_memory` before it copies the state into host
+  memory; no provider: unknown.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 
 _session_deadline: Callable[[], tuple[float | None, str]] | None = None
 _usable_cpus: Callable[[], int | None] | None = None
+_available_memory: Callable[[], tuple[int | None, str]] | None = None
 
 #: ``after_stop_save(signum, step)``: called by the process that leads the job once the
 #: checkpoint of ``step`` is saved on the stop signal ``signum``, just before the process
@@ -57,3 +61,19 @@ def usable_cpus() -> int | None:
         return _usable_cpus() if _usable_cpus is not None else None
     except Exception:
         return None
+
+
+def provide_available_memory(provider: Callable[[], tuple[int | None, str]] | None) -> None:
+    """Register ``provider() -> (bytes this process may still allocate or None, what bounds
+    them)`` (its cgroup's limit, the host's available memory)."""
+    global _available_memory  # noqa: PLW0603 -- this module is the registry
+    _available_memory = provider
+
+
+def available_memory() -> tuple[int | None, str]:
+    """The bytes this process may still allocate and what bounds them, from the registered
+    provider; ``(None, "")`` when unknown (no provider, or the provider failed)."""
+    try:
+        return _available_memory() if _available_memory is not None else (None, "")
+    except Exception:
+        return None, ""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nbresume import knobs
+from nbresume.checkpoint.units import format_bytes
 
 #: v1 reports "no limit" as a huge number near 2**63.
 _V1_UNLIMITED = 1 << 60
@@ -24,13 +25,42 @@ _V1_UNLIMITED = 1 << 60
 
 @dataclass(frozen=True)
 class MemoryFacts:
-    """Memory limit and use of this container (``None``: unknown or unlimited)."""
+    """Memory limit and use of this container (``None``: unknown or unlimited).
+
+    ``reclaimable``: the container's file pages not used lately (``inactive_file``), which
+    ``current`` counts but the kernel drops before it kills anything; ``host_available``: the
+    host's MemAvailable."""
 
     limit: int | None
     current: int | None
     oom_kills: int | None
     host_total: int | None
     source: str
+    reclaimable: int | None = None
+    host_available: int | None = None
+
+    @property
+    def available(self) -> int | None:
+        """Bytes this process can still allocate before the kernel kills something: the room
+        under the container's limit, and no more than the host has available (``None`` when
+        neither is known)."""
+        room = [r for r in (self._room_under_limit(), self.host_available) if r is not None]
+        return min(room) if room else None
+
+    @property
+    def bound(self) -> str:
+        """What bounds :attr:`available`, in words."""
+        room = self._room_under_limit()
+        if room is not None and (self.host_available is None or room <= self.host_available):
+            return f"under the container's limit of {format_bytes(self.limit)}, {self.source}"
+        if self.host_available is not None:
+            return "the host's MemAvailable"
+        return "nothing known"
+
+    def _room_under_limit(self) -> int | None:
+        if self.limit is None or self.current is None:
+            return None
+        return max(0, self.limit - max(0, self.current - (self.reclaimable or 0)))
 
 
 @dataclass(frozen=True)
@@ -91,7 +121,8 @@ def _int(text: str | None) -> int | None:
         return None
 
 
-def _events(text: str | None, key: str) -> int | None:
+def _keyed(text: str | None, key: str) -> int | None:
+    """The number on the ``key <number>`` line of a cgroup file (memory.events, memory.stat)."""
     for line in (text or "").splitlines():
         name, _, value = line.partition(" ")
         if name == key:
@@ -99,11 +130,11 @@ def _events(text: str | None, key: str) -> int | None:
     return None
 
 
-def host_memory() -> int | None:
-    """MemTotal of /proc/meminfo in bytes."""
+def host_memory(field: str = "MemTotal") -> int | None:
+    """A field of /proc/meminfo (``MemTotal``, ``MemAvailable``) in bytes."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -111,9 +142,11 @@ def host_memory() -> int | None:
 
 
 def read_memory(root: Path | None = None) -> MemoryFacts:
-    """The memory limit, use and OOM kill count of this container."""
+    """The memory limit, use (and how much of it the kernel may reclaim) and OOM kill count of
+    this container, and the host's total and available memory."""
     root = knobs.cgroup_root() if root is None else root
     host = host_memory()
+    host_available = host_memory("MemAvailable")
     limit_file = _first_existing(root, "", "memory.max")
     if limit_file is not None:  # cgroup v2
         folder = limit_file.parent
@@ -121,9 +154,11 @@ def read_memory(root: Path | None = None) -> MemoryFacts:
         return MemoryFacts(
             limit=None if raw == "max" else _int(raw),
             current=_int(_read(folder / "memory.current")),
-            oom_kills=_events(_read(folder / "memory.events"), "oom_kill"),
+            oom_kills=_keyed(_read(folder / "memory.events"), "oom_kill"),
             host_total=host,
             source=str(limit_file),
+            reclaimable=_keyed(_read(folder / "memory.stat"), "inactive_file"),
+            host_available=host_available,
         )
     v1 = root / "memory"
     limit_file = _first_existing(v1, "memory", "memory.limit_in_bytes")
@@ -133,11 +168,23 @@ def read_memory(root: Path | None = None) -> MemoryFacts:
         return MemoryFacts(
             limit=None if limit is None or limit >= _V1_UNLIMITED else limit,
             current=_int(_read(folder / "memory.usage_in_bytes")),
-            oom_kills=_events(_read(folder / "memory.oom_control"), "oom_kill"),
+            oom_kills=_keyed(_read(folder / "memory.oom_control"), "oom_kill"),
             host_total=host,
             source=str(limit_file),
+            # usage_in_bytes counts the groups below this one: so does total_inactive_file.
+            reclaimable=_keyed(_read(folder / "memory.stat"), "total_inactive_file"),
+            host_available=host_available,
         )
-    return MemoryFacts(None, None, None, host, "no cgroup memory files")
+    return MemoryFacts(
+        None, None, None, host, "no cgroup memory files", host_available=host_available
+    )
+
+
+def available_memory(root: Path | None = None) -> tuple[int | None, str]:
+    """The bytes this process can still allocate (``None``: unknown) and what bounds them, in
+    words (:attr:`MemoryFacts.available`, :attr:`MemoryFacts.bound`)."""
+    facts = read_memory(root)
+    return facts.available, facts.bound
 
 
 def read_cpu(root: Path | None = None) -> CpuFacts:
