@@ -337,7 +337,8 @@ class Checkpointer(EpochLoopMixin):
         ranks: list[Any] | None = None,
         sharded: Mapping[str, Any] | None = None,
     ) -> Snapshot:
-        """The snapshot of the live state (with ``copy``, its tensors in host buffers)."""
+        """The snapshot of the live state (with ``copy``, its tensors copied into host buffers
+        where that copy fits in memory: :meth:`Saver.mirror`)."""
         snapshot = capture(
             step,
             epoch,
@@ -351,7 +352,7 @@ class Checkpointer(EpochLoopMixin):
             sharded=sharded,
         )
         if copy:
-            snapshot.tensors = self._saver.buffers.copy(snapshot.tensors)
+            self._saver.mirror(snapshot)
         return snapshot
 
     def wait(self, *, durable: bool = False, timeout: float | None = None) -> Confirmation | None:

@@ -21,6 +21,7 @@ import hashlib
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import IO, Any
 
 from nbresume import knobs
@@ -93,10 +94,20 @@ def _no_xxhash(where: str) -> CheckpointError:
     )
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """A file whose bytes are made piece by piece as it is written, each piece valid only
+    until the next is asked for (a GPU tensor staged through a small host buffer): its
+    exact size, and ``chunks()`` to make its pieces."""
+
+    size: int
+    chunks: Callable[[], Iterable[Buffer]]
+
+
 def write_files(
     store: Store,
     folder: str,
-    files: Sequence[tuple[str, Iterable[bytes | memoryview]]],
+    files: Sequence[tuple[str, Iterable[bytes | memoryview] | Streamed]],
     *,
     md5: bool,
     algorithm: str = HASH_ALGORITHM,
@@ -109,12 +120,18 @@ def write_files(
     are computed from the same memory: a fast hash piece by piece just before each piece is
     written, a slow one in threads of their own that all start at once. Only when every file
     is durable and hashed does this return; with a ``closer`` given, once every file is
-    hashed, and the files are durable after ``closer.finish()``.
+    hashed, and the files are durable after ``closer.finish()``. A :class:`Streamed` file's
+    pieces are made one at a time, each hashed by every hash and written before the next.
     """
-    started: list[tuple[str, Sequence[bytes | memoryview], int, Digests]] = []
+    started: list[tuple[str, Iterable[Buffer] | Streamed, int, Digests]] = []
     own_closer = closer is None
     try:
         for name, given in files:
+            if isinstance(given, Streamed):
+                # No slow hash may read a piece after it is written: its memory is reused.
+                digests = Digests(md5=md5, threaded=False, algorithm=algorithm)
+                started.append((name, given, given.size, digests))
+                continue
             chunks = given if isinstance(given, Sequence) else list(given)
             size = sum(len(c) if isinstance(c, bytes) else c.nbytes for c in chunks)
             digests = Digests(md5=md5, threaded=size >= THREAD_MIN_BYTES, algorithm=algorithm)
@@ -124,16 +141,23 @@ def write_files(
         total = sum(size for _, _, size, _ in started)
         if closer is None:
             closer = DurableCloser(store, threaded=len(files) > 1 and total >= THREAD_MIN_BYTES)
-        for name, chunks, _, digests in started:
+        for name, source, size, digests in started:
             closer.check()  # an earlier file failed to become durable: stop here
             handle: IO[bytes] = store.open_write(folder, name)
             try:
-                for chunk in chunks:
+                written = 0
+                for chunk in source.chunks() if isinstance(source, Streamed) else source:
                     view = memoryview(chunk).cast("B")
                     for start in range(0, view.nbytes, READ_CHUNK):
                         piece = view[start : start + READ_CHUNK]
                         digests.update_inline(piece)
                         handle.write(piece)
+                    written += view.nbytes
+                if written != size:  # the manifest would record a size the file does not have
+                    raise CheckpointError(
+                        f"{written} bytes were made for a file announced as {size} bytes",
+                        where=name,
+                    )
             except BaseException:
                 handle.close()
                 raise

@@ -47,7 +47,7 @@ from nbresume.checkpoint.format import (
     is_valid_file_name,
     step_dirname,
 )
-from nbresume.checkpoint.hashing import Digests, DurableCloser, default_hash, write_files
+from nbresume.checkpoint.hashing import Digests, DurableCloser, Streamed, default_hash, write_files
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.reading import verify_folder
 from nbresume.checkpoint.storage import READ_CHUNK, LocalStore, Store
@@ -70,8 +70,9 @@ _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 #: Slack on top of the exact checkpoint size: the manifest and file system metadata.
 SPACE_SLACK = 1 << 20
 
-#: A file to write from memory: its name and the chunks of its bytes.
-Encoded = tuple[str, Sequence[bytes | memoryview]]
+#: A file to write from memory: its name and the chunks of its bytes (or, :class:`Streamed`,
+#: their size and how to make them piece by piece).
+Encoded = tuple[str, Sequence[bytes | memoryview] | Streamed]
 
 
 class PendingCheckpoint:
@@ -157,7 +158,8 @@ class PendingCheckpoint:
 
         With ``keep`` the bytes are kept (they must not change until the commit) and compared
         with what the store reads back after the commit; without, they may go at once, and
-        the file is hashed again after the commit instead."""
+        the file is hashed again after the commit instead (always for a :class:`Streamed`
+        file, whose pieces are gone once written)."""
         self._check_open()
         for name, _ in files:
             self._check_new(name)
@@ -172,7 +174,7 @@ class PendingCheckpoint:
             )
         self._entries.update(entries)
         if keep:
-            self._written.update(files)
+            self._written.update((n, c) for n, c in files if not isinstance(c, Streamed))
         return entries
 
     def add_file(self, name: str, source: str | os.PathLike[str]) -> FileEntry:
@@ -415,13 +417,22 @@ class PendingCheckpoint:
 
 
 def encode(
-    tensors: Mapping[str, Mapping[str, Any]], data: Mapping[str, Any]
-) -> list[tuple[str, Sequence[bytes | memoryview]]]:
+    tensors: Mapping[str, Mapping[str, Any]],
+    data: Mapping[str, Any],
+    *,
+    stage: Callable[[Any], Iterable[memoryview]] | None = None,
+) -> list[Encoded]:
     """The files of ``tensors=`` (one safetensors file per stem) and ``data=`` (one JSON file
-    per stem), encoded in memory."""
-    files: list[tuple[str, Sequence[bytes | memoryview]]] = []
+    per stem), encoded in memory; with ``stage``, a file that holds tensors outside host
+    memory is :class:`Streamed` through it (see :func:`tensorfile.encode`)."""
+    files: list[Encoded] = []
     for stem, group in tensors.items():
-        files.append((file_name(stem, "safetensors"), list(tensorfile.encode(group).chunks())))
+        encoded = tensorfile.encode(group, stage=stage)
+        name = file_name(stem, "safetensors")
+        if encoded.staged:
+            files.append((name, Streamed(encoded.size, encoded.chunks)))
+        else:
+            files.append((name, list(encoded.chunks())))
     for stem, value in data.items():
         try:
             # Insertion order is kept: a restored dict must iterate as the saved one did.
@@ -439,7 +450,10 @@ def encode(
 
 def size_of(files: Iterable[Encoded]) -> int:
     """The bytes of encoded files."""
-    return sum(sum(memoryview(c).nbytes for c in chunks) for _, chunks in files)
+    return sum(
+        chunks.size if isinstance(chunks, Streamed) else sum(memoryview(c).nbytes for c in chunks)
+        for _, chunks in files
+    )
 
 
 def file_name(stem: str, kind: str) -> str:

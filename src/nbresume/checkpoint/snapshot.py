@@ -8,11 +8,20 @@ The protocol of one save, whatever the distributed mode:
    document. For a background save the tensors are copied into :class:`HostBuffers` first,
    reused from one save to the next (pinned when the tensor lives on CUDA), so that training
    is blocked only for that copy.
-2. **Write** (:meth:`Saver.write`): the store writes, commits and verifies the checkpoint;
+2. **Host memory** (:meth:`Saver.mirror`, :meth:`Saver.write`): a copy of the state in host
+   memory is made only where it takes at most :data:`HOST_SHARE` of the memory this process
+   can still allocate (its cgroup's limit, the host's available memory), buffers it already
+   holds counting as free: a full copy of a large state on a small machine (Colab's free VM
+   has 12.7 GB) gets the process killed by the kernel. Where it would take more, the save is
+   written now, in the training thread, from the live tensors; tensors on a GPU (which a
+   blocking save otherwise copies to the host whole) go through a :class:`Stager`'s few
+   small buffers, piece by piece. The files are the same bytes; training waits for the
+   write. The first such save says so in a warning.
+3. **Write** (:meth:`Saver.write`): the store writes, commits and verifies the checkpoint;
    the events ``save_started``, ``committed``, ``verified`` (or ``failed``) are emitted, the
    cadence learns the save's cost, and on a write-back store the durability watcher follows
    the checkpoint until the durable copy matches.
-3. **In the background** (:class:`BackgroundSave`): at most one save runs in a thread; the
+4. **In the background** (:class:`BackgroundSave`): at most one save runs in a thread; the
    next one waits for it, which bounds memory to one copy. Its failure is kept until the
    training thread asks (:func:`background_failure` is how it is reported).
 """
@@ -21,15 +30,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint import reporting
+from nbresume.checkpoint import hooks, reporting
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.state import STATE_VERSION, capture_rng, flatten
 from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
+from nbresume.checkpoint.units import format_bytes
 from nbresume.checkpoint.workers import Workers
 from nbresume.errors import CheckpointError, NbresumeError
 
@@ -42,7 +53,8 @@ VALUES_GROUP = "values"
 
 
 class Snapshot:
-    """Everything one checkpoint holds, detached from the live training objects."""
+    """Everything one checkpoint holds, detached from the live training objects (its tensors
+    are the live ones until :meth:`Saver.mirror` copies them: ``live``)."""
 
     def __init__(self, step: int, tensors: dict[str, dict[str, Any]], state: dict[str, Any],
                  metrics: dict[str, float]) -> None:  # fmt: skip
@@ -50,6 +62,18 @@ class Snapshot:
         self.tensors = tensors
         self.state = state
         self.metrics = metrics
+        self.live = True
+
+
+def tensor_bytes(tensors: dict[str, dict[str, Any]], *, on_device: bool = False) -> int:
+    """The bytes of ``tensors`` (with ``on_device``, of the torch tensors outside host memory
+    only: those a blocking save copies to the host)."""
+    return sum(
+        int(value.nbytes)
+        for members in tensors.values()
+        for value in members.values()
+        if not on_device or getattr(getattr(value, "device", None), "type", "cpu") != "cpu"
+    )
 
 
 class HostBuffers:
@@ -57,6 +81,20 @@ class HostBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], Any] = {}
+
+    def missing(self, tensors: dict[str, dict[str, Any]]) -> int:
+        """The bytes a :meth:`copy` of ``tensors`` allocates: those of the tensors that no
+        buffer held from an earlier copy takes."""
+        needed = 0
+        for group, members in tensors.items():
+            for key, value in members.items():
+                buffer = self._buffers.get((group, key))
+                same = buffer is not None and (tuple(buffer.shape), str(buffer.dtype)) == (
+                    tuple(value.shape),
+                    str(value.dtype),
+                )
+                needed += 0 if same else int(value.nbytes)
+        return needed
 
     def copy(self, tensors: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -305,10 +343,25 @@ class Saver:
         self.cadence = cadence
         self.durability = durability
         self.buffers = HostBuffers()
+        self.stager = Stager()
         self.background = BackgroundSave()
+        self._told = False  # the warning that a copy does not fit is given once
+
+    def mirror(self, snapshot: Snapshot) -> None:
+        """Copy ``snapshot``'s tensors into the host buffers, for a write in the background,
+        where that copy fits in memory; where it does not, the snapshot keeps the live
+        tensors (it is written now, :meth:`finish`) and the buffers are let go."""
+        if self._copy_fits(self.buffers.missing(snapshot.tensors), snapshot.tensors):
+            snapshot.tensors = self.buffers.copy(snapshot.tensors)
+            snapshot.live = False
+        else:
+            self.buffers = HostBuffers()  # what an earlier copy held goes back
 
     def write(self, snapshot: Snapshot) -> CheckpointInfo:
-        """Write, commit and verify ``snapshot`` through the store."""
+        """Write, commit and verify ``snapshot`` through the store (its GPU tensors through
+        the :class:`Stager` where copying them to the host whole does not fit in memory)."""
+        on_device = tensor_bytes(snapshot.tensors, on_device=True)
+        stage = None if self._copy_fits(on_device, snapshot.tensors) else self.stager
         return self.commit(
             snapshot.step,
             lambda on_committed: self.store.save(
@@ -317,15 +370,53 @@ class Saver:
                 data={STATE_FILE: snapshot.state},
                 metrics=snapshot.metrics,
                 on_committed=on_committed,
+                stage=stage,
             ),
         )
 
     def finish(self, snapshot: Snapshot, *, background: bool) -> CheckpointInfo | None:
-        """Write ``snapshot`` now (the verified checkpoint), or in the background (``None``)."""
-        if background:
+        """Write ``snapshot`` now (the verified checkpoint), or in the background (``None``).
+
+        A background save whose snapshot could not be copied (:meth:`mirror`) is written
+        now, and reported as a background save is: its failure at the next step boundary,
+        on every process of a job."""
+        if background and not snapshot.live:
             self.background.start(lambda: self.write(snapshot))
             return None
+        if background:
+            try:
+                self.write(snapshot)
+            except Exception as exc:
+                self.background.start(raiser(exc))
+            return None
         return self.write(snapshot)
+
+    def _copy_fits(self, needed: int, tensors: dict[str, dict[str, Any]]) -> bool:
+        """Whether a host copy of ``needed`` bytes takes at most :data:`HOST_SHARE` of the
+        memory this process can still allocate (yes where that is unknown); the first time
+        it does not, say so."""
+        if needed <= 0:
+            return True
+        available, bound = hooks.available_memory()
+        if available is None or needed <= HOST_SHARE * available:
+            return True
+        if not self._told:
+            self._told = True
+            log.warning(
+                "nbresume: the training state is %s; copying it into host memory would take "
+                "%s more, over %d%% of the %s this process can still allocate (%s). Saves are "
+                "written straight from the live tensors instead, tensors on a GPU through %s "
+                "of host buffers: the files are the same, but training waits for each save to "
+                "be written, not only for a copy. Fix: a machine with more RAM, a smaller "
+                "state (trainable_only=True), or fewer saves (a larger every=)",
+                format_bytes(tensor_bytes(tensors)),
+                format_bytes(needed),
+                round(HOST_SHARE * 100),
+                format_bytes(available),
+                bound or "as measured",
+                format_bytes(STAGE_BUFFERS * STAGE_PIECE),
+            )
+        return False
 
     def commit(
         self,
@@ -370,22 +461,86 @@ def background_failure(error: BaseException | None) -> CheckpointError | None:
     )
 
 
+# -- a save in bounded host memory --------------------------------------------------------------
+
+#: The share of the memory this process can still allocate that a save's copy of the state
+#: in host memory may take; a larger copy is not made (:meth:`Saver.mirror`).
+HOST_SHARE = 0.5
+#: A staged save's host memory: :data:`STAGE_BUFFERS` buffers of :data:`STAGE_PIECE` bytes.
+STAGE_PIECE = 32 << 20
+STAGE_BUFFERS = 4
+
+
+class Stager:
+    """Copies tensors that live outside host memory (on a GPU) to the host through a ring of
+    a few small buffers, a piece at a time, for a save that writes each piece before its
+    buffer takes another: such a save holds :data:`STAGE_BUFFERS` x :data:`STAGE_PIECE`
+    bytes of host memory whatever the size of the state. The buffers are made at the first
+    use and kept; pinned where pinning works, and then the next pieces are copied while
+    this one is written."""
+
+    def __init__(self) -> None:
+        self._ring: list[Any] = []
+
+    def __call__(self, tensor: Any) -> Iterator[memoryview]:
+        """The bytes of ``tensor`` (contiguous, in its dtype's layout), piece by piece: each
+        piece stays valid until the next one is asked for."""
+        import torch
+
+        source = tensor.detach()
+        if source.is_conj() or source.is_neg():
+            source = source.resolve_conj().resolve_neg()
+        flat = source.contiguous().reshape(-1).view(torch.uint8)
+        total = flat.numel()
+        if not self._ring:
+            self._ring = [host_buffer(flat, (STAGE_PIECE,)) for _ in range(STAGE_BUFFERS)]
+        starts = iter(range(0, total, STAGE_PIECE))
+        copies: deque[tuple[Any, Any, Any]] = deque()  # (buffer, its piece, copy done)
+
+        def copy_next(buffer: Any) -> None:
+            start = next(starts, None)
+            if start is None:
+                return
+            piece = buffer[: min(STAGE_PIECE, total - start)]
+            piece.copy_(flat[start : start + piece.numel()], non_blocking=piece.is_pinned())
+            done = None
+            if flat.is_cuda:
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(torch.cuda.current_stream(flat.device))
+            copies.append((buffer, piece, done))
+
+        try:
+            for buffer in self._ring:
+                copy_next(buffer)
+            while copies:
+                buffer, piece, done = copies.popleft()
+                if done is not None:
+                    done.synchronize()
+                yield memoryview(piece.numpy())
+                copy_next(buffer)  # the caller wrote that piece: its buffer takes the next
+        finally:
+            for _, _, done in copies:  # a write that stopped: no copy still lands later
+                if done is not None:
+                    done.synchronize()
+
+
 # -- pinned host memory, with a fallback -----------------------------------------------------
 
 #: Set when pinning host memory failed once: later buffers are pageable without trying again.
 _PINNING_FAILED: list[str] = []
 
 
-def host_buffer(source: Any) -> Any:
-    """An empty CPU tensor shaped like ``source``: pinned when ``source`` is on CUDA (the copy
-    then runs asynchronously), pageable when pinning fails (a low locked-memory limit in a
-    container, no host memory left to lock). A pageable buffer is correct, only slower: the
-    copy into it waits for the GPU."""
+def host_buffer(source: Any, shape: tuple[int, ...] | None = None) -> Any:
+    """An empty CPU tensor shaped like ``source`` (or ``shape``, of its dtype): pinned when
+    ``source`` is on CUDA (the copy then runs asynchronously), pageable when pinning fails (a
+    low locked-memory limit in a container, no host memory left to lock). A pageable buffer is
+    correct, only slower: the copy into it waits for the GPU."""
     import torch
 
+    shape = tuple(source.shape) if shape is None else shape
     if source.is_cuda and not _PINNING_FAILED:
         try:
-            return torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
+            return torch.empty(shape, dtype=source.dtype, device="cpu", pin_memory=True)
         except RuntimeError as exc:
             _PINNING_FAILED.append(str(exc))
             log.warning(
@@ -393,4 +548,4 @@ def host_buffer(source: Any) -> Any:
                 "tensors use ordinary memory and wait for the copy",
                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
             )
-    return torch.empty(source.shape, dtype=source.dtype, device="cpu")
+    return torch.empty(shape, dtype=source.dtype, device="cpu")

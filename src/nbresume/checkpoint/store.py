@@ -14,12 +14,13 @@ shortest use):
    Drive, in threads of their own), and make each file durable
    (:mod:`~nbresume.checkpoint.hashing`). The bytes are not changed during a save: a
    synchronous save holds the training thread, an asynchronous one writes host copies that
-   nothing else touches. On a POSIX folder this happens in a temporary sibling folder
-   ``.nbresume-tmp-<step>-...`` that no reader takes: there each file's fsync runs in a worker
-   thread while the next files and the manifest are written, and Linux is told to start
-   writing a file's pages to the disk every 32 MiB as it is written; on an object store, in
-   place, after the manifest of any earlier copy was withdrawn, each file closed (durable)
-   before the next.
+   nothing else touches. GPU tensors too large to copy to the host whole come through a few
+   small staging buffers, piece by piece (``stage=``); such a file is re-hashed in 6. On a
+   POSIX folder this happens in a temporary sibling folder ``.nbresume-tmp-<step>-...`` that
+   no reader takes: there each file's fsync runs in a worker thread while the next files and
+   the manifest are written, and Linux is told to start writing a file's pages to the disk
+   every 32 MiB as it is written; on an object store, in place, after the manifest of any
+   earlier copy was withdrawn, each file closed (durable) before the next.
 4. Write ``manifest.json`` last: every file with its size and hash. It is the commit marker.
 5. POSIX only: wait until every file (the manifest included) is fsynced, fsync the temporary
    folder, rename it into place, fsync the parent folder.
@@ -140,15 +141,19 @@ class CheckpointStore:
         data: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
         on_committed: Callable[[CheckpointInfo], None] | None = None,
+        stage: Callable[[Any], Iterable[memoryview]] | None = None,
     ) -> CheckpointInfo:
         """Write, commit and verify the checkpoint of ``step``, then apply retention.
 
         ``tensors`` maps a file stem to a flat ``{name: tensor}`` dict (one safetensors file
         each); ``data`` maps a file stem to a JSON-serialisable value (one JSON file each).
-        ``on_committed`` is called between the commit and the verification.
+        ``on_committed`` is called between the commit and the verification. A GPU tensor is
+        copied to host memory whole before its file is written, unless ``stage`` (a
+        :class:`~nbresume.checkpoint.hostmemory.Stager`) takes its bytes through a small
+        host buffer, piece by piece; the files are the same either way.
         Returns only after the checkpoint was read back and matched its manifest.
         """
-        files = encode(tensors or {}, data or {})
+        files = encode(tensors or {}, data or {}, stage=stage)
         if not files:
             raise CheckpointError("nothing to save: pass tensors= or data=", where=self.location)
         with self.begin(step, size=size_of(files), files=len(files)) as pending:

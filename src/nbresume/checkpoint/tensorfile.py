@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -97,6 +97,34 @@ def _torch_to_raw(tensor: Any, name: str) -> RawTensor:
     return RawTensor(st_dtype, tuple(int(d) for d in tensor.shape), data)
 
 
+@dataclass(frozen=True)
+class StagedTensor:
+    """A tensor outside host memory whose bytes come piece by piece as the file is written
+    (each piece valid until the next is asked for), never copied to the host whole."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    pieces: Callable[[], Iterable[memoryview]]
+
+
+def _staged(tensor: Any, name: str, stage: Callable[[Any], Iterable[memoryview]]) -> StagedTensor:
+    dtype_name = str(tensor.dtype).removeprefix("torch.")
+    st_dtype = _TORCH_NAME_TO_ST.get(dtype_name)
+    if st_dtype is None:
+        raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot hold")
+    nbytes = tensor.numel() * tensor.element_size()
+    return StagedTensor(
+        st_dtype, tuple(int(d) for d in tensor.shape), nbytes, lambda: stage(tensor)
+    )
+
+
+def _outside_host(value: Any) -> bool:
+    """A torch tensor that is not in host memory (on a GPU)."""
+    device = getattr(value, "device", None)
+    return type(value).__module__.startswith("torch") and getattr(device, "type", "cpu") != "cpu"
+
+
 def _numpy_to_raw(array: Any, name: str) -> RawTensor:
     import numpy as np
 
@@ -134,22 +162,46 @@ class EncodedFile:
     """A safetensors file ready to stream: its header bytes and the tensor buffers in order."""
 
     header: bytes
-    tensors: tuple[RawTensor, ...]
+    tensors: tuple[RawTensor | StagedTensor, ...]
 
     @property
     def size(self) -> int:
         return len(self.header) + sum(t.nbytes for t in self.tensors)
 
+    @property
+    def staged(self) -> bool:
+        """Whether some of its bytes come piece by piece (:class:`StagedTensor`): the file
+        must then be written from :meth:`chunks` as they come, each before the next."""
+        return any(isinstance(t, StagedTensor) for t in self.tensors)
+
     def chunks(self) -> Iterator[memoryview | bytes]:
         yield self.header
         for tensor in self.tensors:
-            if tensor.nbytes:
+            if not tensor.nbytes:
+                continue
+            if isinstance(tensor, StagedTensor):
+                yield from tensor.pieces()
+            else:
                 yield tensor.data
 
 
-def encode(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> EncodedFile:
-    """Lay out ``tensors`` as a safetensors file (header and buffers, nothing copied)."""
-    raws = {name: to_raw(value, name=name) for name, value in tensors.items()}
+def encode(
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    stage: Callable[[Any], Iterable[memoryview]] | None = None,
+) -> EncodedFile:
+    """Lay out ``tensors`` as a safetensors file (header and buffers, nothing copied).
+
+    A tensor outside host memory (on a GPU) is copied to the host whole, unless ``stage`` is
+    given: its bytes then come from ``stage(tensor)``, piece by piece, as the file is written
+    (:attr:`EncodedFile.staged`). The file's bytes are the same either way."""
+    raws: dict[str, RawTensor | StagedTensor] = {
+        name: _staged(value, name, stage)
+        if stage is not None and _outside_host(value)
+        else to_raw(value, name=name)
+        for name, value in tensors.items()
+    }
     # Largest items first, then by name, as the official writer does: with the data area
     # starting 8-aligned, every tensor then starts aligned to its own item size.
     order = sorted(raws, key=lambda n: (-_DTYPES[raws[n].dtype][0], n))
