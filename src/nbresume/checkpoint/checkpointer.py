@@ -42,6 +42,7 @@ from nbresume.checkpoint.deadline import resolve_deadline
 from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.epochloop import EpochLoopMixin
 from nbresume.checkpoint.format import parse_step_dirname
+from nbresume.checkpoint.generators import GeneratorState, is_generator
 from nbresume.checkpoint.keywords import check_arguments, check_name, is_dataloader
 from nbresume.checkpoint.lease import acquire_writer_lease
 from nbresume.checkpoint.snapshot import Saver, Snapshot, capture
@@ -179,6 +180,8 @@ class Checkpointer(EpochLoopMixin):
             value = TrainableOnly(value)
         if is_dataloader(value):
             value = ResumableLoader(value)
+        if is_generator(value):
+            value = GeneratorState(value)  # restored into the same object
         if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
             self._objects[name] = value
             if isinstance(value, ResumableLoader):
@@ -192,11 +195,14 @@ class Checkpointer(EpochLoopMixin):
         if name in self._values:
             return self._values[name]
         if name in self._objects:
-            return self._objects[name]
+            value = self._objects[name]
+            return value.generator if isinstance(value, GeneratorState) else value
         raise KeyError(name)
 
     def __setitem__(self, name: str, value: Any) -> None:
-        """Set a plain value that is saved with the next checkpoint."""
+        """Set a plain value that is saved with the next checkpoint, or a random generator
+        (``torch.Generator``, NumPy's ``Generator`` or ``RandomState``, ``random.Random``)
+        whose state is saved with every checkpoint and restored into it."""
         if name in self._objects:
             raise UsageError(f"{name!r} is a stateful object; it cannot be replaced by a value")
         self._register(name, value)

@@ -27,6 +27,7 @@ from nbresume.checkpoint.arguments import (
 )
 from nbresume.checkpoint.cadence import parse_every
 from nbresume.checkpoint.deadline import check_deadline
+from nbresume.checkpoint.generators import is_generator
 from nbresume.checkpoint.snapshot import RNG_GROUP, STATE_FILE, VALUES_GROUP
 from nbresume.checkpoint.storage import Store, check_location
 from nbresume.errors import UsageError
@@ -82,7 +83,9 @@ def _check_state_keyword(name: str, value: Any) -> None:
     would otherwise be saved as a value and change nothing: it is refused, and the option it
     resembles is named."""
     check_name(name)
-    if is_dataloader(value) or (not isinstance(value, type) and _is_stateful(value)):
+    if is_dataloader(value) or is_generator(value):
+        return
+    if not isinstance(value, type) and _is_stateful(value):
         return
     shown = show(value)
     close = difflib.get_close_matches(name, _options(), n=1)
@@ -118,7 +121,9 @@ def _check_state_keyword(name: str, value: Any) -> None:
         f"{kind(value)} is not a stateful object; the keywords after the options name "
         "objects with state_dict() and load_state_dict() (a model, an optimizer, ...) and "
         "DataLoaders",
-        f"set a plain value after creating the Checkpointer: ckpt[{name!r}] = {shown}",
+        "set a plain value after creating the Checkpointer: "
+        f"ckpt[{name!r}] = {shown if not shown.startswith('<') else name}; an object of "
+        "your own gets state_dict() and load_state_dict() methods",
     )
 
 
