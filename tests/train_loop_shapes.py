@@ -4,6 +4,9 @@
 shuffled DataLoader for two epochs of 12 batches (the break shape: three epochs capped at 8
 batches; the sequential shape: two loaders of 12 batches one after the other), saving every
 3 steps. Every shape makes the same number of steps per run as noted in :data:`SHAPES`.
+With ``device`` (the GPU tests: ``tests/gpu/``) the same loop trains the way GPU code is
+written: the model on that device, the batches moved there with ``non_blocking=True``, noise
+drawn on the device in the loss, and ``deterministic=True``.
 
 Run as a script (``python train_loop_shapes.py serve``) it is a zygote: it imports torch once,
 then reads one JSON command per line on stdin and runs each in a forked child whose stdout
@@ -65,20 +68,33 @@ def train(
     pause: float = 0.0,
     callbacks: list[Callback] | None = None,
     stop_after: int | None = None,
+    device: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train in ``shape`` until done (resuming from ``folder``); the final weights and
-    optimizer state. ``stop_after``: ask the loop to stop (``request_stop()``, as the
-    panel's button and a deadline do) once that step is done."""
+    optimizer state, on the CPU. ``stop_after``: ask the loop to stop (``request_stop()``, as
+    the panel's button and a deadline do) once that step is done. ``device``: train there,
+    as GPU code does (see the module's docstring); None: plainly, on the CPU."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    if device is not None:
+        model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
     first = data(4 * BATCHES, 1, 4)
     second = data(2 * BATCHES, 2, 2)
     validation = data(20, 3, 5)  # a plain DataLoader: shuffled from the global torch RNG
 
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if device is None:
+            return model(x)  # type: ignore[no-any-return]
+        out = model(x.to(device, non_blocking=True))
+        # The device's own random stream takes part (dropout draws from it too).
+        return out + 0.1 * torch.randn(out.shape, device=device)  # type: ignore[no-any-return]
+
     def update(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = nn.functional.mse_loss(model(x), y)
+        if device is not None:
+            y = y.to(device, non_blocking=True)
+        loss = nn.functional.mse_loss(forward(x), y)
         optimizer.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
@@ -97,7 +113,13 @@ def train(
     if shape == "constructor":
         state["loader"] = first
     ck = nbresume.Checkpointer(
-        folder, every=EVERY, keep=100, deadline=None, callbacks=events, **state
+        folder,
+        every=EVERY,
+        keep=100,
+        deadline=None,
+        callbacks=events,
+        deterministic=device is not None,
+        **state,
     )
     epochs = SHAPES[shape][0]
     if shape in {"wrapped-before", "validation", "break"}:
@@ -144,7 +166,9 @@ def train(
                     done_step()
                 model.eval()
                 with torch.no_grad():
-                    loss = sum(nn.functional.mse_loss(model(x), y).item() for x, y in validation)
+                    loss = sum(
+                        nn.functional.mse_loss(forward(x).cpu(), y).item() for x, y in validation
+                    )
                 model.train()
                 ck.save(metric=loss)  # the checkpoint of the end of the epoch
             elif shape == "break":
@@ -158,10 +182,10 @@ def train(
     ck.close()
     assert ck.done or stop_after is not None
     say(f"done {ck.step}" if ck.done else f"stopped {ck.step}")
-    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     for index, values in optimizer.state_dict()["state"].items():
         for key, value in values.items():
-            tensors[f"optimizer.{index}.{key}"] = value.detach().clone()
+            tensors[f"optimizer.{index}.{key}"] = value.detach().to("cpu", copy=True)
     return tensors
 
 
