@@ -276,6 +276,11 @@ def train_hf(folder: Path, device: str, pause: float) -> dict[str, Any]:
                     tensors("optimizer", optimizer_saved["state"]),
                     tensors("optimizer", optimizer.state_dict()["state"]),
                 )
+                scaler = getattr(trainer.accelerator, "scaler", None)
+                if not difference and scaler is not None and (Path(resume) / "scaler.pt").exists():
+                    scaler_saved = torch.load(Path(resume) / "scaler.pt", weights_only=True)
+                    if scaler_saved != scaler.state_dict():
+                        difference = f"scaler: {scaler_saved} != {scaler.state_dict()}"
                 say(f"restored DIFFERS {difference}" if difference else "restored exact")
 
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
