@@ -134,6 +134,9 @@ def child_env(home: Path) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HOME": str(home / "hf"),
         "TORCHINDUCTOR_CACHE_DIR": str(home / "inductor"),
+        # Compiled in the training process itself: no pool of compile workers is started, and
+        # none outlives a run killed while it compiles.
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
         "TRITON_CACHE_DIR": str(home / "triton"),
         "TOKENIZERS_PARALLELISM": "false",
     }
