@@ -162,13 +162,19 @@ def test_a_finished_run_trains_no_further_step(tmp_path: Path) -> None:
     assert [i.step for i in again.list()] == [4, 6], "nothing new was saved"
 
 
+class SessionEnded(Exception):
+    """The end of a session, as an exception out of the loop's body (a kill, in-process)."""
+
+
 def test_an_interrupted_loop_resumes_after_the_last_checkpoint(tmp_path: Path) -> None:
     first = Checkpointer(tmp_path / "run", every=3, deadline=None, counter=Counter())
-    for step in first.steps(10):
-        if step == 5:
-            break  # the session ended; step 5 never finished
-        first["counter"].count += 1
-    first.close()
+    try:
+        for step in first.steps(10):
+            if step == 5:
+                raise SessionEnded  # step 5 never finished
+            first["counter"].count += 1
+    except SessionEnded:
+        first.close()
     assert not first.done
 
     counter = Counter()
@@ -182,9 +188,12 @@ def test_a_longer_total_continues_a_finished_run(tmp_path: Path) -> None:
     first = Checkpointer(tmp_path / "run", **QUIET)
     assert list(first.steps(3)) == [0, 1, 2]
     second = Checkpointer(tmp_path / "run", **QUIET)
-    for step in second.steps(6):
-        if step == 4:
-            break
+    try:
+        for step in second.steps(6):
+            if step == 4:
+                raise SessionEnded
+    except SessionEnded:
+        second.close()
     assert not second.done, "the longer run is not finished"
     third = Checkpointer(tmp_path / "run", **QUIET)
     assert list(third.steps(6)) == [3, 4, 5]

@@ -1,7 +1,8 @@
 """The ``nbresume`` command. Thin: it parses arguments and calls the modules that do the work.
 
 Exit status: 0 success, 1 failure (for ``verify`` and ``pull``: any checkpoint that does not
-verify), 2 usage error. ``nbresume run`` exits with its job's status.
+verify), 2 usage error; for ``pull`` 3 when every checkpoint verified but the job still writes
+at the source (not safe to tear down yet). ``nbresume run`` exits with its job's status.
 """
 
 from __future__ import annotations
@@ -191,6 +192,7 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
 
     from nbresume.checkpoint.store import CheckpointStore
     from nbresume.checkpoint.units import format_duration
+    from nbresume.frameworks.layout import local_kind, resumable
     from nbresume.runner import find_state
 
     now = time.time() if now is None else now
@@ -203,22 +205,35 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
             state, _ = recorded
             running = state.status != "exited"
             location = state.dir or target
+    framework = local_kind(location)  # a Trainer's output_dir, a Lightning dirpath
     try:
-        store = CheckpointStore(location, keep=None)
-        infos = store.list()
-        verified = next((i for i in reversed(infos) if store.verify(i.step).ok), None)
+        if framework is not None:
+            # The checkpoint the framework's own resume takes (nbresume.hf.last_checkpoint,
+            # nbresume.lightning.last_checkpoint).
+            found = resumable(*framework)
+            seen = bool(found.created_times or found.passed_over)
+            verified = None if found.step is None else (found.step, found.created)
+            times = list(found.created_times)
+        else:
+            store = CheckpointStore(location, keep=None)
+            infos = store.list()
+            newest = next((i for i in reversed(infos) if store.verify(i.step).ok), None)
+            seen = bool(infos)
+            verified = None if newest is None else (newest.step, newest.created)
+            times = [i.created for i in infos]
     except (NbresumeError, OSError):
         return []  # the checkpoint line above already says what is wrong with the folder
     if verified is None:
-        if not infos:
+        if not seen:
             return []
         return ["last verified checkpoint: none: no checkpoint in the folder verifies"]
-    created = _unix_time(verified.created)
+    step, when = verified
+    created = _unix_time(when)
     if created is None:
-        return [f"last verified checkpoint: step {verified.step:,}"]
+        return [f"last verified checkpoint: step {step:,}"]
     quiet = max(0.0, now - created)
-    lines = [f"last verified checkpoint: step {verified.step:,}, {format_duration(quiet)} ago"]
-    stamps = sorted(t for t in (_unix_time(i.created) for i in infos[-6:]) if t is not None)
+    lines = [f"last verified checkpoint: step {step:,}, {format_duration(quiet)} ago"]
+    stamps = sorted(t for t in (_unix_time(c) for c in times[-6:]) if t is not None)
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps) if b > a)
     if gaps and running is not False:
         usual = gaps[len(gaps) // 2]
@@ -610,10 +625,11 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="is the run alive, and how old is its newest verified checkpoint",
         description="DIR is the folder of a run's log (where `nbresume run` keeps its record) "
-        "or its checkpoint folder. Liveness is judged by the processes and the checkpoint "
-        "age, not by the log. An argument owner/slug (no scheme, not a local path) names a "
-        "Kaggle notebook. Exit status 1 when the run died or failed, or its newest checkpoint "
-        "does not verify.",
+        "or its checkpoint folder (a Hugging Face Trainer's output_dir and a Lightning "
+        "ModelCheckpoint folder too: the checkpoint their own resume takes). Liveness is "
+        "judged by the processes and the checkpoint age, not by the log. An argument "
+        "owner/slug (no scheme, not a local path) names a Kaggle notebook. Exit status 1 when "
+        "the run died or failed, or its newest checkpoint does not verify.",
     )
     p.add_argument("target", metavar="DIR", help="run folder, checkpoint folder, or owner/slug")
     p.set_defaults(func=_cmd_status)
@@ -624,8 +640,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Copy every committed checkpoint of SRC into the local folder DST, each "
         "file checked against its manifest; an interrupted pull resumes where it stopped. "
         "SRC: ssh://[user@]host[:port]/path (ssh://host/~/path is relative to the remote "
-        "home), any fsspec URL, or a local path; owner/slug names a Kaggle notebook. Exit "
-        "status 1 when any checkpoint does not verify. Nothing remote is ever deleted.",
+        "home), any fsspec URL, or a local path; owner/slug names a Kaggle notebook. The last "
+        "line says the remote copy is safe to tear down only when nothing writes there any "
+        "more. Exit status 1 when any checkpoint does not verify; 3 when all verified but a "
+        "live training still holds the source (its writer lease): pull again after it "
+        "stops. Nothing remote is ever deleted.",
     )
     p.add_argument("src", metavar="SRC", help="where the checkpoints are")
     p.add_argument("dst", metavar="DST", nargs="?", help="local folder to copy them into")

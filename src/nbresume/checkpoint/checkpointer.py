@@ -55,7 +55,7 @@ from nbresume.checkpoint.store import (
 )
 from nbresume.checkpoint.strategies import Strategy, choose
 from nbresume.checkpoint.trainable import TrainableOnly
-from nbresume.errors import StorageError, UsageError
+from nbresume.errors import FolderInUseError, LeaseLostError, StorageError, UsageError
 
 log = logging.getLogger("nbresume")
 
@@ -125,6 +125,8 @@ class Checkpointer(EpochLoopMixin):
         )
         check_bool("Checkpointer", "deterministic", deterministic)
         determinism.apply(deterministic, "Checkpointer")
+        if (sandbox := knobs.check_dir(dir)) is not None:  # `nbresume check`'s own folders
+            dir, storage_options = sandbox, None
         self.store = CheckpointStore(
             dir, keep=keep, keep_best=keep_best, storage_options=storage_options
         )
@@ -160,6 +162,11 @@ class Checkpointer(EpochLoopMixin):
         self.stop_reason = ""
         self._restored = False
         self._pending_objects: dict[str, Any] = {}  # restored state of objects not yet registered
+        #: The run finished by leaving its loop early (``break``): that loop and its bound.
+        self._ended_early: dict[str, Any] | None = None
+        #: The metrics last given to save(), with their step: a later save of the same step
+        #: (the loop's final save, a stop) keeps them.
+        self._step_metrics: tuple[int, dict[str, float]] | None = None
         self._last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
         self._stop_signal: int | None = None
@@ -261,7 +268,10 @@ class Checkpointer(EpochLoopMixin):
         self._values.update(saved.values)
         self.step = saved.step
         self.epoch = saved.epoch
-        self.done = saved.done and (saved.total is None or self.step >= saved.total)
+        self._ended_early = saved.ended_early
+        self.done = saved.done and (
+            saved.total is None or self.step >= saved.total or saved.ended_early is not None
+        )
         self.restored_step = self.step
         self._last_saved_step = self.step
         log.info("nbresume: resumed from step %d (%s)", self.step, plan.where)
@@ -314,6 +324,17 @@ class Checkpointer(EpochLoopMixin):
         current_step, epoch = self._position()
         step = current_step if step is None else step
         background = self.async_save and not block
+        return self._save_at(step, epoch, metrics, background=background)
+
+    def _save_at(
+        self, step: int, epoch: int, metrics: dict[str, float], *, background: bool
+    ) -> CheckpointInfo | None:
+        """Save ``step``; without metrics, the ones last given for this same step (a
+        ``save(metric=...)`` at the last step is not lost to the loop's final save)."""
+        if metrics:
+            self._step_metrics = (step, metrics)
+        elif self._step_metrics is not None and self._step_metrics[0] == step:
+            metrics = self._step_metrics[1]
         return self._strategy().save(step, epoch, metrics, background=background)
 
     def _mark_saved(self, step: int) -> None:
@@ -356,6 +377,7 @@ class Checkpointer(EpochLoopMixin):
             done=self.done,
             ranks=ranks,
             sharded=sharded,
+            ended_early=self._ended_early if self.done else None,
         )
         if copy:
             self._saver.mirror(snapshot)
@@ -399,17 +421,21 @@ class Checkpointer(EpochLoopMixin):
     def _steps(self, total: int) -> Iterator[int]:
         self.restore()
         self.total = total
-        if self.step >= total:
+        if self.step >= total or self._ends_here("steps", total):
             self.done = True
             return
         self.done = False  # a finished run given a larger total is unfinished again
         self._hold_lease()
         self._epochs = None  # wrapped loaders hand out batches as they are asked, uncounted
-        with self._loop():
+        with self._loop(("steps", total)):
             while True:
                 started = time.monotonic()
                 self._body = "step"
-                yield self.step
+                try:
+                    yield self.step
+                except GeneratorExit:
+                    self._note_left()
+                    raise
                 self._body = None
                 self.step += 1
                 self.cadence.observe_step(time.monotonic() - started)
@@ -420,6 +446,7 @@ class Checkpointer(EpochLoopMixin):
         self._finish()
 
     _smoke_stop_at: int | None = None
+    _budget_stop_at: int | None = None
 
     def _boundary(self, *, final: bool) -> bool:
         """At a step boundary: report progress, save when due, and stop when asked.
@@ -490,6 +517,8 @@ class Checkpointer(EpochLoopMixin):
             return self._stop_request
         if self._smoke_stop_at is not None and self.step >= self._smoke_stop_at:
             return f"smoke run: stopped after the steps {knobs.SMOKE_STEPS.name} allows"
+        if self._budget_stop_at is not None and self.step >= self._budget_stop_at:
+            return f"the budget of `nbresume check` ({knobs.STOP_AT_STEP.name})"
         if self._stop_signal is not None:
             return stops.signal_reason(self._stop_signal)
         return stops.deadline_reason(self.deadline, self.deadline_source, self._deadline_margin())
@@ -506,18 +535,91 @@ class Checkpointer(EpochLoopMixin):
         # later save of this one takes the lease again, or is refused by that process).
         self._release_lease()
 
+    # -- a loop left early (break): early stopping ------------------------------------------
+
+    #: The running loop and its bound: ("steps", total) or ("epochs", count).
+    _loop_bound: tuple[str, int] | None = None
+    #: Where a body left by ``break`` ended: the (step, epoch) its save records.
+    _left_at: tuple[int, int] | None = None
+    #: The last exception no one handled when the loop started (sys.last_value).
+    _unhandled_at_loop: object = None
+
+    def _ends_here(self, loop: str, bound: int) -> bool:
+        """Whether the restored run ended early in this same loop: it trains no further. Asked
+        for another bound, it is unfinished again."""
+        if self._ended_early is None:
+            return False
+        if self._ended_early == {"loop": loop, "bound": bound}:
+            return True
+        self._ended_early = None
+        return False
+
+    def _note_left(self) -> None:
+        """The loop's generator is closed while its body runs: the body was left (``break``,
+        or an exception; CPython closes it at once). close() decides which it was."""
+        if self._left_at is None:
+            self._left_at = self._position()
+
+    def _end_left_loop(self) -> None:
+        """At close() (or the interpreter's exit): a loop body left by ``break`` is the run's
+        end. Its step is saved as finished, and the same code run again trains no further
+        (with ``request_stop()`` before the break, it is saved as stopped, not finished). A
+        body left by an exception saves nothing: the newest checkpoint is where to resume."""
+        left, self._left_at = self._left_at, None
+        if left is None or self._loop_bound is None or self.done:
+            return
+        if self.stop_reason or self._stop_signal is not None:
+            return  # a stop (a signal, the deadline) saved, or stops at once: not a break
+        if sys.exc_info()[1] is not None or _unhandled() is not self._unhandled_at_loop:
+            return  # an exception left the body: the newest checkpoint is where to resume
+        if self._lease is not None:
+            try:
+                self._lease.check()
+            except (LeaseLostError, FolderInUseError) as exc:
+                # A newer Checkpointer (a cell run again) or another process writes here now.
+                log.debug("nbresume: the loop left at step %d is not saved: %s", left[0], exc)
+                return
+            except (OSError, StorageError):
+                pass  # the save itself reports what is wrong with the folder
+        self._body = None
+        loop, bound = self._loop_bound
+        step, epoch = left
+        self.step, self.epoch = step, epoch
+        stopped = self._stop_request
+        if stopped:
+            self.stop_reason = stopped
+        else:
+            self.done = True
+            self._ended_early = {"loop": loop, "bound": bound}
+        self._save_at(step, epoch, {}, background=False)
+        if stopped:
+            log.warning("nbresume: %s; saved step %d and stopped", self.stop_reason, step)
+            self.events.emit(ev.STOPPING, step, reason=self.stop_reason)
+        else:
+            log.info(
+                "nbresume: the loop was left at step %d (break): saved as the end of the run; "
+                "run again, it trains no further (call ckpt.request_stop() before a break to "
+                "keep the run unfinished)",
+                step,
+            )
+            self.events.emit(ev.DONE, step)
+
     @contextlib.contextmanager
-    def _loop(self) -> Iterator[None]:
+    def _loop(self, bound: tuple[str, int]) -> Iterator[None]:
         """Signals become stop requests handled at the next step boundary, never a write in
         the handler itself."""
         health.watch_oom(self)  # an out-of-memory error leaving the body gets the advice
         if not self._in_loop:
+            self._loop_bound = bound
+            self._left_at = None
+            self._unhandled_at_loop = _unhandled()
             # A stop asked for before this loop, or the reason the last one stopped, is not
             # meant for this one (epochs() ends early while stop_reason is set).
             self._stop_request = ""
             self.stop_reason = ""
             smoke = knobs.smoke_steps()  # `nbresume smoke`: every loop stops a few steps in
             self._smoke_stop_at = None if smoke is None else self.step + smoke
+            self._budget_stop_at = knobs.stop_at_step()  # `nbresume check`: the same N each run
         if self._in_loop or threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -559,6 +661,7 @@ class Checkpointer(EpochLoopMixin):
         takes it again)."""
         atexit.unregister(self._at_exit)
         try:
+            self._end_left_loop()
             self.wait()
         finally:
             self._release_lease()
@@ -598,6 +701,10 @@ class Checkpointer(EpochLoopMixin):
             self._release_lease()
 
     def _at_exit(self) -> None:
+        try:
+            self._end_left_loop()
+        except Exception as exc:  # the interpreter is exiting: say it, never raise
+            print(f"nbresume: the early stop could not be saved: {exc}", file=sys.stderr)
         self._background.wait()
         error = self._background.take_error()
         if error is not None:
@@ -612,3 +719,9 @@ class Checkpointer(EpochLoopMixin):
 
 
 _STOP_SIGNALS = stops.STOP_SIGNALS
+
+
+def _unhandled() -> object:
+    """The last exception that reached the top of the interpreter unhandled (a script's, or a
+    notebook cell's), or None."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)

@@ -60,7 +60,9 @@ class EpochLoopMixin:
 
         def restore(self) -> int: ...
         def _hold_lease(self) -> None: ...
-        def _loop(self) -> AbstractContextManager[None]: ...
+        def _loop(self, bound: tuple[str, int]) -> AbstractContextManager[None]: ...
+        def _ends_here(self, loop: str, bound: int) -> bool: ...
+        def _note_left(self) -> None: ...
         def _boundary(self, *, final: bool) -> bool: ...
         def _finish(self) -> None: ...
 
@@ -116,7 +118,7 @@ class EpochLoopMixin:
     def _epochs_of(self, count: int) -> Iterator[int]:
         self.restore()
         self.total = None
-        if self.epoch >= count:
+        if self.epoch >= count or self._ends_here("epochs", count):
             self.done = True
             return
         self.done = False
@@ -126,12 +128,16 @@ class EpochLoopMixin:
         self._epochs = state
         for loader in self._wrapped_loaders():
             loader._on_batch = self  # loaders wrapped later are attached by loader()
-        with self._loop():
+        with self._loop(("epochs", count)):
             try:
                 while self.epoch < count:
                     started = time.monotonic()
                     self._body = "epoch"
-                    yield self.epoch
+                    try:
+                        yield self.epoch
+                    except GeneratorExit:
+                        self._note_left()
+                        raise
                     self._body = None
                     if self.stop_reason:
                         return

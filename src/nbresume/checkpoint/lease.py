@@ -459,6 +459,28 @@ def current_holder(store: Store) -> Holder | None:
     return None if raw is None else Holder.parse(raw)
 
 
+def live_holder(store: Store, now: float | None = None) -> Holder | None:
+    """The live writer that holds the lease of ``store``, judged as a writer taking the lease
+    would judge it (on this machine: its process still runs; from another: renewed within
+    the lease's expiry); ``None`` when no lease is there or its holder is gone. A reader's
+    question (``nbresume pull``): one small read, nothing taken or written."""
+    holder: Holder | None = None
+    for attempt in range(_READ_TRIES):
+        raw = store.read_small(LEASE_NAME)
+        if raw is None:
+            return None
+        holder = Holder.parse(raw)
+        if holder is not None:
+            break
+        time.sleep(0.05 * (attempt + 1))  # a create caught before its write
+    if holder is None:
+        return None  # a lease file that never parses: a writer would take it over as stale
+    now = time.time() if now is None else now
+    me = this_process("", now, holder.expiry_s, "")
+    verdict, _ = judge(holder, me, now)
+    return None if verdict == "stale" else holder  # "self": this very process writes there
+
+
 def _release_all() -> None:
     """At interpreter exit: give back every lease still held (a Checkpointer's own exit hook
     runs first and finishes its save in flight)."""

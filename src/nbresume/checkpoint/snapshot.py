@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint import hooks, reporting
+from nbresume.checkpoint import forksafe, hooks, reporting
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.state import STATE_VERSION, capture_rng, flatten
@@ -161,8 +161,8 @@ class PieceCopy:
 
     def __init__(self) -> None:
         self._pieces: list[tuple[Any, Any]] = []
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._lock = forksafe.lock()
+        self._idle = forksafe.condition(self._lock)
         self._next = 0
         self._busy = 0
         self._closed = False
@@ -288,10 +288,12 @@ def capture(
     done: bool,
     ranks: list[Any] | None = None,
     sharded: Mapping[str, Any] | None = None,
+    ended_early: Mapping[str, Any] | None = None,
 ) -> Snapshot:
     """The snapshot of the live state. ``pending``: restored state of objects not registered
     yet, carried on; ``ranks``: every rank's RNG states (under ``torch.distributed``);
-    ``sharded``: objects each rank saves itself, left out here."""
+    ``sharded``: objects each rank saves itself, left out here; ``ended_early``: the loop
+    (``{"loop": "steps" | "epochs", "bound": N}``) a finished run left by ``break``."""
     tensors: dict[str, dict[str, Any]] = {}
     documents: dict[str, Any] = {}
     trees = [(n, o.state_dict()) for n, o in objects.items() if not (sharded and n in sharded)]
@@ -320,6 +322,8 @@ def capture(
         "values": flat_values,
         "rng": rng,
     }
+    if ended_early is not None:
+        state["ended_early"] = dict(ended_early)
     if ranks is not None:
         state["world_size"] = len(ranks)
         state["rank_rng"] = rank_rng

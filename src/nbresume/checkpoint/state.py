@@ -253,6 +253,9 @@ class SavedState:
     world_size: int = 1
     rank_rng: list[Any] = field(default_factory=list)
     sharded: list[str] = field(default_factory=list)
+    #: A run that finished by leaving its loop early: ``{"loop": "steps" | "epochs", "bound":
+    #: N}``, the loop and its total (or count) at that end; ``None`` otherwise.
+    ended_early: dict[str, Any] | None = None
 
 
 def is_state_document(document: Any) -> bool:
@@ -301,6 +304,15 @@ def decode_state(
     sharded = document.get("sharded", [])
     if not isinstance(sharded, list) or not all(isinstance(n, str) for n in sharded):
         raise bad("'sharded' is not a list of names")
+    ended_early = document.get("ended_early")
+    if ended_early is not None and not (
+        isinstance(ended_early, dict)
+        and ended_early.get("loop") in ("steps", "epochs")
+        and isinstance(ended_early.get("bound"), int)
+        and not isinstance(ended_early.get("bound"), bool)
+        and ended_early["bound"] >= 0
+    ):
+        raise bad('\'ended_early\' is not {"loop": "steps" or "epochs", "bound": N}')
     objects_doc = document.get("objects")
     if not isinstance(objects_doc, dict):
         raise bad("'objects' is not an object")
@@ -341,6 +353,7 @@ def decode_state(
         world_size=world_size,
         rank_rng=rank_rng,
         sharded=sharded,
+        ended_early=ended_early,
     )
 
 
