@@ -12,12 +12,14 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
 ckpt = nbresume.Checkpointer(
     sys.argv[1] if len(sys.argv) > 1 else "runs/early-stop",
-    every=20, model=model, optimizer=optimizer,
+    every=20,
+    model=model,
+    optimizer=optimizer,
 )
 ckpt["best"], ckpt["patience"] = float("inf"), 0  # restored by the loop when it resumes
 loader = ckpt.loader(torch.utils.data.DataLoader(data, batch_size=16, shuffle=True))
 
-for epoch in ckpt.epochs(100):
+for _epoch in ckpt.epochs(100):
     for x, y in loader:
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
