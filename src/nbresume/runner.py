@@ -467,7 +467,11 @@ class Supervisor:
         if not self.state.dir:
             return "no --dir given"
         from nbresume.checkpoint.store import CheckpointStore
+        from nbresume.frameworks.layout import local_kind
 
+        framework = local_kind(self.state.dir)  # a Trainer's output_dir, a Lightning dirpath
+        if framework is not None:
+            return _framework_newest(*framework)
         try:
             latest = CheckpointStore(self.state.dir, keep=None).latest()
         except (NbresumeError, OSError, ValueError) as exc:
@@ -749,8 +753,9 @@ def status(target: str, *, now: float | None = None) -> tuple[list[str], int]:
     if ckpt_dir is None:
         lines.append("checkpoint: unknown (the run was started without --dir)")
     else:
-        text, ok, alive_but_stale = _judge_checkpoint(ckpt_dir, now, reference)
-        lines.append(f"checkpoint: {text}")
+        said, ok, alive_but_stale = _judge_checkpoint(ckpt_dir, now, reference)
+        lines.append(f"checkpoint: {said[0]}")
+        lines.extend(f"            {line}" for line in said[1:])
         healthy = healthy and ok
         if alive_but_stale and recorded is not None and recorded[0].status == "running":
             lines.append(f"            {alive_but_stale}")
@@ -761,7 +766,10 @@ def status(target: str, *, now: float | None = None) -> tuple[list[str], int]:
 
 def _has_checkpoints(location: str) -> bool:
     from nbresume.checkpoint.store import CheckpointStore
+    from nbresume.frameworks.layout import local_kind
 
+    if local_kind(location) is not None:  # a Trainer's output_dir, a Lightning dirpath
+        return True
     with contextlib.suppress(NbresumeError, OSError):
         return CheckpointStore(location, keep=None).latest() is not None
     return False
@@ -824,37 +832,102 @@ def _judge_process(state: RunState, now: float) -> tuple[str, bool, float | None
     )
 
 
-def _judge_checkpoint(location: str, now: float, started: float | None) -> tuple[str, bool, str]:
-    """(the newest checkpoint and its age, whether it verifies, a note when the job runs but
-    has not saved for much longer than usual)."""
+def _judge_checkpoint(
+    location: str, now: float, started: float | None
+) -> tuple[list[str], bool, str]:
+    """(what the newest checkpoint is and its age, as lines; whether it verifies; a note when
+    the job runs but has not saved for much longer than usual)."""
     from nbresume.checkpoint.store import CheckpointStore
+    from nbresume.frameworks.layout import local_kind
 
+    framework = local_kind(location)  # a Trainer's output_dir, a Lightning dirpath
+    if framework is not None:
+        return _judge_framework(*framework, now, started)
     store = CheckpointStore(location, keep=None)
     try:
         infos = store.list()
     except (NbresumeError, OSError) as exc:
-        return f"cannot list {location}: {exc}", False, ""
+        return [f"cannot list {location}: {exc}"], False, ""
     if not infos:
-        return f"none yet in {location}", True, ""
+        return [f"none yet in {location}"], True, ""
     newest = infos[-1]
     result = store.verify(newest.step).results[0]
     created = _timestamp(newest.created)
     age = f", {format_duration(now - created)} old" if created else ""
     if not result.ok:
-        return f"step {newest.step} does NOT verify{age}: {result.problem}", False, ""
+        return [f"step {newest.step} does NOT verify{age}: {result.problem}"], False, ""
     text = f"step {newest.step} verified{age} ({result.location})"
-    stamps = [t for t in (_timestamp(i.created) for i in infos[-6:]) if t]
+    return [text], True, _stuck(created, [i.created for i in infos], now, started)
+
+
+def _judge_framework(
+    path: Path, kind: str, now: float, started: float | None
+) -> tuple[list[str], bool, str]:
+    """:func:`_judge_checkpoint` of a framework's folder: the checkpoint that framework's own
+    resume takes (every file of it read back), and the newer ones it passes over."""
+    from nbresume.frameworks.layout import DESCRIPTION, RESUME, resumable
+
+    try:
+        found = resumable(path, kind)
+    except (NbresumeError, OSError) as exc:
+        return [f"cannot read {path} ({DESCRIPTION[kind]}): {exc}"], False, ""
+    resume = f"{DESCRIPTION[kind]}: {RESUME[kind]}"
+    if found.path is None:
+        first = f"none verifies in {path}" if found.passed_over else f"none yet in {path}"
+        lines = [first, f"{resume} finds none: a run starts from scratch"]
+    else:
+        created = _timestamp(found.created)
+        age = f", {format_duration(now - created)} old" if created else ""
+        lines = [
+            f"step {found.step} verified{age} ({found.path})",
+            f"{resume} resumes from {found.path.name}",
+        ]
+    for passed in found.passed_over:
+        verdict = " does NOT verify" if passed.committed else ""
+        lines.append(
+            f"passed over: {passed.path.name} (step {passed.step}){verdict}: {passed.problem}"
+        )
+    # A committed checkpoint that does not verify is damage; a folder without a manifest may
+    # be a save in progress (an nbresume folder does not list those at all).
+    ok = not any(passed.committed for passed in found.passed_over)
+    if found.path is None:
+        return lines, ok, ""
+    return lines, ok, _stuck(_timestamp(found.created), list(found.created_times), now, started)
+
+
+def _framework_newest(path: Path, kind: str) -> str:
+    """The restart line's words for a framework's folder: what its own resume takes."""
+    from nbresume.frameworks.layout import NAME, RESUME, resumable
+
+    try:
+        found = resumable(path, kind)
+    except (NbresumeError, OSError) as exc:
+        return f"cannot read {path}: {exc}"
+    broken = sum(passed.committed for passed in found.passed_over)
+    passed = f"; {broken} newer one(s) do NOT verify" if broken else ""
+    if found.path is None:
+        return f"no verified checkpoint in {path} yet ({NAME[kind]}{passed})"
+    return (
+        f"newest verified checkpoint: {found.path.name}, step {found.step} ({NAME[kind]}: "
+        f"{RESUME[kind]} resumes from it{passed})"
+    )
+
+
+def _stuck(created: float | None, times: list[str], now: float, started: float | None) -> str:
+    """A note when no checkpoint came for much longer than the usual time between the recent
+    ones (``times``: when each checkpoint was saved, oldest first); ``""`` otherwise."""
+    stamps = [t for t in (_timestamp(c) for c in times[-6:]) if t]
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps) if b > a)
-    note = ""
-    if created and gaps:
-        usual = gaps[len(gaps) // 2]
-        quiet = now - max(created, started or 0.0)
-        if quiet > max(3 * usual, 300):
-            note = (
-                f"no new checkpoint for {format_duration(quiet)}, while they came every "
-                f"{format_duration(usual)} before: the job may be stuck; look at the log"
-            )
-    return text, True, note
+    if not created or not gaps:
+        return ""
+    usual = gaps[len(gaps) // 2]
+    quiet = now - max(created, started or 0.0)
+    if quiet <= max(3 * usual, 300):
+        return ""
+    return (
+        f"no new checkpoint for {format_duration(quiet)}, while they came every "
+        f"{format_duration(usual)} before: the job may be stuck; look at the log"
+    )
 
 
 def _timestamp(created: str) -> float | None:

@@ -1,14 +1,17 @@
-"""``nbresume ls`` / ``verify`` / ``pull`` pointed at a framework's folder: a Trainer's
-``output_dir`` (``checkpoint-N``) or a Lightning ``ModelCheckpoint`` folder (``.ckpt``)."""
+"""``nbresume ls`` / ``verify`` / ``pull`` / ``status`` / ``run`` pointed at a framework's
+folder: a Trainer's ``output_dir`` (``checkpoint-N``) or a Lightning ``ModelCheckpoint`` folder
+(``.ckpt``)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import struct
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -236,3 +239,107 @@ def test_an_nbresume_folder_is_read_as_before(
     assert code == 0
     assert "Trainer" not in text
     assert "Lightning" not in text
+
+
+# -- status and run: the checkpoint the framework's own resume takes ----------------------------
+
+
+def restart_line(ckpt_dir: Path, log: Path) -> str:
+    """The line ``nbresume run --dir CKPT_DIR`` writes as an attempt starts (here of a job that
+    does nothing), which names the checkpoint the job resumes from."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "nbresume.cli", "run", "--retries", "0", "--dir", str(ckpt_dir),
+         "--log", str(log), "--", sys.executable, "-c", "pass"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return next(line for line in log.read_text().splitlines() if "attempt 1 of 1:" in line)
+
+
+def test_status_and_run_name_the_checkpoint_a_trainer_resumes_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    from tests.frameworks.test_hf import train
+
+    import nbresume.hf
+
+    out = tmp_path / "out"
+    trained = train(out, "--steps", "8", "--save-steps", "4")  # a real Trainer run, 8 steps
+    assert trained.returncode == 0, trained.describe()
+    assert nbresume.hf.last_checkpoint(out) == str(out / "checkpoint-8")
+
+    code, text, _ = run(["status", str(out)], capsys)
+    assert code == 0, text
+    assert "checkpoint: step 8 verified, " in text
+    assert f"({out / 'checkpoint-8'})" in text
+    assert (
+        "Hugging Face Trainer checkpoints (checkpoint-N folders): nbresume.hf.last_checkpoint "
+        "resumes from checkpoint-8"
+    ) in text
+    assert "last verified checkpoint: step 8, " in text
+    assert "none yet" not in text
+    assert (
+        "newest verified checkpoint: checkpoint-8, step 8 (Hugging Face Trainer: "
+        "nbresume.hf.last_checkpoint resumes from it)"
+    ) in restart_line(out, tmp_path / "a.log")
+
+    # The newest one damaged: status and run name the one the resume falls back to, as it does.
+    flip_a_bit(out / "checkpoint-8" / "optimizer.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert nbresume.hf.last_checkpoint(out) == str(out / "checkpoint-4")
+    code, text, _ = run(["status", str(out)], capsys)
+    assert code == 1, text
+    assert "checkpoint: step 4 verified, " in text
+    assert "nbresume.hf.last_checkpoint resumes from checkpoint-4" in text
+    assert "passed over: checkpoint-8 (step 8) does NOT verify: optimizer.pt: " in text
+    assert "last verified checkpoint: step 4, " in text
+    line = restart_line(out, tmp_path / "b.log")
+    assert "newest verified checkpoint: checkpoint-4, step 4" in line
+    assert "1 newer one(s) do NOT verify" in line
+
+
+def test_status_and_run_name_the_checkpoint_a_lightning_run_resumes_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("lightning")
+    from tests.frameworks.test_lightning import fit
+
+    import nbresume.lightning
+
+    trainer = fit(tmp_path, epochs=2)  # a real fit: last.ckpt and the 2 best .ckpt folders
+    ckpts = tmp_path / "ckpts"
+    step = trainer.global_step
+    assert nbresume.lightning.last_checkpoint(ckpts) == str(ckpts / "last.ckpt")
+
+    code, text, _ = run(["status", str(ckpts)], capsys)
+    assert code == 0, text
+    assert f"checkpoint: step {step} verified, " in text
+    assert f"({ckpts / 'last.ckpt'})" in text
+    assert (
+        "Lightning checkpoints (.ckpt folders of nbresume.lightning.CheckpointIO): "
+        "nbresume.lightning.last_checkpoint resumes from last.ckpt"
+    ) in text
+    assert f"last verified checkpoint: step {step}, " in text
+    assert "none yet" not in text
+    assert (
+        f"newest verified checkpoint: last.ckpt, step {step} (Lightning: "
+        "nbresume.lightning.last_checkpoint resumes from it)"
+    ) in restart_line(ckpts, tmp_path / "a.log")
+
+    # last.ckpt damaged: the resume takes the newest other .ckpt, and so do status and run.
+    tensors = next((ckpts / "last.ckpt").glob("*/tensors.safetensors"))
+    flip_a_bit(tensors)
+    chosen = nbresume.lightning.last_checkpoint(ckpts)
+    assert chosen is not None
+    assert Path(chosen).name != "last.ckpt"
+    code, text, _ = run(["status", str(ckpts)], capsys)
+    assert code == 1, text
+    assert f"({chosen})" in text
+    assert f"nbresume.lightning.last_checkpoint resumes from {Path(chosen).name}" in text
+    assert f"passed over: last.ckpt (step {step}) does NOT verify: " in text
+    line = restart_line(ckpts, tmp_path / "b.log")
+    assert f"newest verified checkpoint: {Path(chosen).name}, " in line
+    assert "1 newer one(s) do NOT verify" in line

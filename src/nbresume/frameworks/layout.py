@@ -5,12 +5,18 @@ automatic naming ``checkpoint_<n>``); a Lightning ``ModelCheckpoint`` folder hol
 folders, each an nbresume checkpoint store of its own. Neither is an nbresume checkpoint folder
 (``000000000012/``), so the commands recognise them by their names and read them with the
 integrations' own readers. Nothing here imports transformers or Lightning.
+
+:func:`resumable` tells what a framework's own resume takes from such a folder (the checkpoint
+``nbresume.hf.last_checkpoint`` or ``nbresume.lightning.last_checkpoint`` returns), for
+``nbresume status`` and ``nbresume run``: the Trainer's through :mod:`nbresume.hf.resume`, and
+Lightning's through :func:`newest_ckpt`, which ``nbresume.lightning.last_checkpoint`` uses.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +37,16 @@ DESCRIPTION = {
     TRAINER: "Hugging Face Trainer checkpoints (checkpoint-N folders)",
     ACCELERATE: "Accelerate save_state checkpoints (checkpoint_N folders)",
     LIGHTNING: "Lightning checkpoints (.ckpt folders of nbresume.lightning.CheckpointIO)",
+}
+
+#: Each layout's framework, in a word.
+NAME = {TRAINER: "Hugging Face Trainer", ACCELERATE: "Accelerate", LIGHTNING: "Lightning"}
+
+#: The function a run of each layout resumes through.
+RESUME = {
+    TRAINER: "nbresume.hf.last_checkpoint",
+    ACCELERATE: "nbresume.hf.last_checkpoint",
+    LIGHTNING: "nbresume.lightning.last_checkpoint",
 }
 
 
@@ -96,6 +112,71 @@ def committed(directory: Path) -> list[tuple[tuple[int, str, bool], Path, str]]:
         found.extend(((i.step, i.created, last), path, i.name) for i in infos)
     found.sort(key=lambda item: item[0], reverse=True)
     return found
+
+
+# -- what a framework's own resume takes --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PassedOver:
+    """A checkpoint newer than the one a resume takes, and why the resume passes over it."""
+
+    path: Path
+    step: int
+    problem: str
+    #: Whether it was committed: an uncommitted folder may be a save still in progress.
+    committed: bool
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """What a framework's resume takes from its folder: the checkpoint it resumes from
+    (``path``, ``None``: it starts from scratch), the newer ones it passes over (newest
+    first), and when each committed checkpoint of the folder was saved (by step)."""
+
+    kind: str
+    path: Path | None = None
+    step: int | None = None
+    #: When ``path`` was saved (ISO 8601, as its manifest records it; "" when none).
+    created: str = ""
+    passed_over: tuple[PassedOver, ...] = ()
+    created_times: tuple[str, ...] = ()
+
+
+def newest_ckpt(folders: Iterable[Path]) -> Resumable:
+    """The checkpoint ``nbresume.lightning.last_checkpoint`` resumes from among the ``.ckpt``
+    folders of ``folders``: ``last*.ckpt`` first when it verifies (as Lightning's
+    ``ckpt_path="last"``), else the newest other by step; every byte of it read back and
+    matched with its manifest. Nothing here imports Lightning."""
+    from nbresume.checkpoint.reading import verify_folder
+
+    found = [item for folder in folders for item in committed(folder)]
+    # ``last*.ckpt`` first: it holds every ModelCheckpoint's newest state, and a run resumed
+    # from another .ckpt would pin that one forever (ModelCheckpoint never removes the
+    # checkpoint a run resumed from).
+    candidates = sorted(found, key=lambda item: (item[0][2], item[0][0], item[0][1]), reverse=True)
+    newest: dict[int, str] = {}
+    for (step, created, _), _, _ in found:
+        newest[step] = max(created, newest.get(step, ""))  # last.ckpt and a best one: one save
+    times = tuple(newest[step] for step in sorted(newest))
+    passed: list[PassedOver] = []
+    for (step, created, _), path, name in candidates:
+        result = verify_folder(CheckpointStore(str(path), keep=None).backend, name)
+        if result.ok:
+            return Resumable(LIGHTNING, path, step, created, tuple(passed), times)
+        passed.append(PassedOver(path, step, result.problem, committed=True))
+    return Resumable(LIGHTNING, passed_over=tuple(passed), created_times=times)
+
+
+def resumable(path: Path, kind: str) -> Resumable:
+    """What the framework's own resume takes from its folder ``path`` of layout ``kind``
+    (:func:`kind_of`): the Trainer's and Accelerate's through ``nbresume.hf``'s own search,
+    Lightning's through :func:`newest_ckpt`. Every file of the checkpoint found is read back."""
+    if kind == LIGHTNING:
+        return newest_ckpt([path])
+    from nbresume.hf.resume import find_checkpoint
+
+    return find_checkpoint(path)
 
 
 def _pickled(directory: Path) -> list[str]:
@@ -221,11 +302,15 @@ def _framework_store(path: Path, kind: str) -> tuple[CheckpointStore, FolderName
 
 
 __all__ = [
+    "PassedOver",
+    "Resumable",
     "ckpt_entries",
     "committed",
     "kind_of",
     "list_lines",
     "local_kind",
+    "newest_ckpt",
     "pull_refusal",
+    "resumable",
     "verify_lines",
 ]

@@ -11,6 +11,7 @@ from typing import Any
 
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.errors import CorruptCheckpointError, UsageError
+from nbresume.frameworks import layout
 from nbresume.hf.folders import (
     ACCELERATE,
     TRAINER,
@@ -35,25 +36,41 @@ def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
     (``checkpoint_N``) are found the same way. ``output_dir`` is a local path or a folder on
     the mounted Google Drive (``file://`` URLs too).
     """
+    found = find_checkpoint(output_dir)
+    for passed in found.passed_over:
+        warnings.warn(
+            f"nbresume: passing over {passed.path} (step {passed.step}): {passed.problem}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return None if found.path is None else str(found.path)
+
+
+def find_checkpoint(output_dir: str | os.PathLike[str]) -> layout.Resumable:
+    """What :func:`last_checkpoint` resumes from (its folder, step and creation time), the
+    newer folders it passes over and why, and when each committed checkpoint was saved: the
+    same search, for ``nbresume status`` and ``nbresume run``, which say so without warnings."""
     path = local_path(output_dir)
     if not path.is_dir():
-        return None
-    store = open_store(path, keep=None, names=_names_in(path))
-    names = store.backend.names  # type: ignore[attr-defined]
-    committed = {info.name: info for info in store.list()}
+        return layout.Resumable(layout.TRAINER)
+    names = _names_in(path)
+    kind = layout.ACCELERATE if names is ACCELERATE else layout.TRAINER
+    store = open_store(path, keep=None, names=names)
+    infos = store.list()
+    committed = {info.name: info for info in infos}
+    times = tuple(info.created for info in infos)
+    passed: list[layout.PassedOver] = []
     for step, name in store.checkpoint_folders():
         real = names.real(name)
         if not (path / real).is_dir():
             continue  # an older copy moved aside while its step was replaced
-        problem = folder_problem(store, name, committed.get(name))
+        info = committed.get(name)
+        problem = folder_problem(store, name, info)
         if not problem:
-            return str(path / real)
-        warnings.warn(
-            f"nbresume: passing over {path / real} (step {step}): {problem}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return None
+            created = info.created if info is not None else ""
+            return layout.Resumable(kind, path / real, step, created, tuple(passed), times)
+        passed.append(layout.PassedOver(path / real, step, problem, committed=info is not None))
+    return layout.Resumable(kind, passed_over=tuple(passed), created_times=times)
 
 
 def save_state(

@@ -6,9 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nbresume.checkpoint.reading import verify_folder
-from nbresume.checkpoint.store import CheckpointStore
-from nbresume.frameworks.layout import committed
+from nbresume.frameworks.layout import newest_ckpt
 
 
 def last_checkpoint(where: Any) -> str | None:
@@ -22,19 +20,9 @@ def last_checkpoint(where: Any) -> str | None:
     manifest; newer ones that do not verify are passed over. Pass the result to
     ``trainer.fit(..., ckpt_path=...)``: ``None`` starts from scratch.
     """
-    folders = checkpoint_dirs(where)
-    # ``last*.ckpt`` first, as Lightning's ckpt_path="last": it holds every ModelCheckpoint's
-    # newest state, and a run resumed from another .ckpt would pin that one forever
-    # (ModelCheckpoint never removes the checkpoint a run resumed from).
-    candidates = sorted(
-        (item for folder in folders for item in committed(folder)),
-        key=lambda item: (item[0][2], item[0][0], item[0][1]),
-        reverse=True,
-    )
-    for _, path, name in candidates:
-        if verify_folder(CheckpointStore(str(path), keep=None).backend, name).ok:
-            return str(path)
-    return None
+    # The search itself needs no Lightning: `nbresume status` and `nbresume run` use it too.
+    found = newest_ckpt(checkpoint_dirs(where))
+    return None if found.path is None else str(found.path)
 
 
 def checkpoint_dirs(where: Any) -> list[Path]:
