@@ -18,8 +18,11 @@ manifest. For each one:
    nbresume folder.
 5. Read the local checkpoint back (``verify``).
 
-The remote copy is declared safe to tear down only when every checkpoint verified locally and
-the remote list did not change during the pull. Nothing remote is ever deleted or written.
+The remote copy is declared safe to tear down only when every checkpoint verified locally, the
+remote list did not change during the pull, and no live writer holds the source: a training
+that still runs there holds the folder's writer lease (:mod:`nbresume.checkpoint.lease`), read
+before each listing. While it does, the pull says so, names the holder, and exits with
+:data:`STILL_WRITING`: pull again after it stops. Nothing remote is ever deleted or written.
 
 A SRC of the form ``owner/slug`` (no scheme, not an existing local path) names a Kaggle
 notebook: :func:`is_kaggle_ref` tells, and the command line hands it to Kaggle support.
@@ -50,6 +53,8 @@ from nbresume.checkpoint.format import (
     step_dirname,
 )
 from nbresume.checkpoint.hashing import Digests, check_hashes, read_header
+from nbresume.checkpoint.lease import LEASE_NAME, live_holder
+from nbresume.checkpoint.lease_holder import Holder, format_utc, this_process
 from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, open_store
 from nbresume.checkpoint.store import CheckpointStore, VerifyResult
 from nbresume.checkpoint.units import format_bytes
@@ -68,6 +73,10 @@ PREFETCH_WINDOW = 32 << 20
 MAX_ROUNDS = 3
 
 SAFE_LINE = "the remote copy is safe to tear down"
+#: Exit status of a pull whose checkpoints all verified while the job still writes at the
+#: source (a live writer holds its lease, or checkpoints kept appearing): not a failure, and
+#: not safe to tear down yet; a script pulls again after the job stopped.
+STILL_WRITING = 3
 
 _KAGGLE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 #: The module that Kaggle support installs: ``status(ref) -> int`` and
@@ -488,9 +497,12 @@ def pull(
 ) -> int:
     """Copy every committed checkpoint of ``src`` into the local folder ``dst`` and verify it.
 
-    Returns the exit status: 0 when every checkpoint verified (and the remote copy may be torn
-    down), 1 otherwise. Raises :class:`~nbresume.errors.NbresumeError` when the source cannot
-    be reached or the arguments cannot be used.
+    Returns the exit status: 0 when every checkpoint verified and nothing writes at the source
+    any more (the remote copy may be torn down); :data:`STILL_WRITING` when every checkpoint
+    verified but a live writer holds the source's lease or checkpoints kept appearing (pull
+    again after the job stopped); 1 otherwise. Raises
+    :class:`~nbresume.errors.NbresumeError` when the source cannot be reached or the
+    arguments cannot be used.
     """
     if "://" in dst and not dst.startswith("file://"):
         raise UsageError("the destination must be a local folder", where=dst)
@@ -537,8 +549,12 @@ def _pull_all(source: Store, target: Path, rate: float | None, out: Callable[[st
     out(f"nbresume pull: {source.location} -> {target}")
     results: dict[str, _Result] = {}
     stable = False
+    writer: Holder | None = None
     try:
         for _ in range(MAX_ROUNDS):
+            # The lease before the listing: a writer seen gone here has committed its last
+            # checkpoint already, so the listing that follows holds it.
+            writer = _live_writer(source)
             listing = puller.listing()
             todo = {s: f for s, f in listing.items() if step_dirname(s) not in results}
             new = 0
@@ -584,10 +600,42 @@ def _pull_all(source: Store, target: Path, rate: float | None, out: Callable[[st
             "appearing at the source (a job is still writing there); pull again once it has "
             "stopped. The remote copy is NOT safe to tear down yet."
         )
-        return 1
+        return STILL_WRITING
     size = format_bytes(sum(r.size for r in good))
+    if writer is not None:
+        newest = max(int(r.name) for r in good)
+        out(
+            f"STILL TRAINING: {len(good)}/{len(checked)} verified in {target} ({size}), "
+            f"newest step {newest}{extra}; a live writer holds the source's writer lease: "
+            f"{_describe_writer(writer)}. Pull again after it stops: the remote copy is NOT "
+            "safe to tear down yet."
+        )
+        return STILL_WRITING
     out(f"OK {len(good)}/{len(checked)} verified in {target} ({size}){extra}: {SAFE_LINE}")
     return 0
+
+
+def _live_writer(source: Store) -> Holder | None:
+    """The live writer holding the source's lease (``None`` when there is none)."""
+    try:
+        return live_holder(source)
+    except (OSError, NbresumeError) as exc:
+        where = source.child(LEASE_NAME)
+        raise _TransferError(f"reading the writer lease {where} failed: {exc}") from exc
+
+
+def _describe_writer(holder: Holder) -> str:
+    """Who holds the lease; for a holder on another machine, when its lease lapses if that
+    process is gone without giving it back (a kill, a preemption)."""
+    me = this_process("", time.time(), holder.expiry_s, "")
+    said = holder.describe()
+    if (holder.host, holder.machine) == (me.host, me.machine):
+        return said  # its process was looked at: it runs
+    lapses = format_utc(holder.renewed + holder.expiry_s)
+    return (
+        f"{said} (its process cannot be looked at from here: if it was killed, its lease "
+        f"lapses at {lapses}, {holder.expiry_s:.0f} s after its last renewal)"
+    )
 
 
 def _pull_log(source: Store, target: Path, out: Callable[[str], None]) -> None:

@@ -11,16 +11,28 @@ from __future__ import annotations
 import hashlib
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from nbresume.checkpoint.format import step_dirname
+from nbresume.checkpoint.lease import LEASE_NAME
+from nbresume.checkpoint.lease_holder import Holder
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.cli import main
-from nbresume.pull import PART_SUFFIX, SAFE_LINE, STAGING_PREFIX
+from nbresume.pull import PART_SUFFIX, SAFE_LINE, STAGING_PREFIX, STILL_WRITING
 
-from .conftest import HANG_S, SshServer, nbresume_argv, remote_run, verified_steps, wait_until
+from .conftest import (
+    HANG_S,
+    Job,
+    SshServer,
+    nbresume_argv,
+    remote_run,
+    train_argv,
+    verified_steps,
+    wait_until,
+)
 
 STEPS = [100, 200, 300]
 
@@ -153,6 +165,97 @@ def test_a_corrupt_remote_file_is_named_and_nothing_is_called_safe(
     assert verified_steps(dst) == {100: True, 300: True}
     assert not (dst / step_dirname(200) / "model.safetensors").exists()
     assert damaged.read_bytes() == bytes(data), "the pull wrote to the remote copy"
+
+
+@pytest.mark.parametrize("via", ["local", "ssh"])
+def test_a_job_still_training_is_never_called_safe_until_it_stopped(
+    via: str,
+    child_env: dict[str, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
+) -> None:
+    # A real training process, its Checkpointer between two saves: checkpoint 2 is committed
+    # and the folder's writer lease held, while it waits for the test to let it go on.
+    src = tmp_path / "remote" / "run1"
+    job = Job(
+        subprocess.Popen(
+            train_argv(src, 4, "--every", "2", "--hold-at", "2"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env,
+        )
+    )
+    dst = tmp_path / "local"
+
+    def pull() -> tuple[int, str]:
+        if via == "local":
+            code, out, _ = run_cli(["pull", str(src), str(dst)], capsys)
+            return code, out
+        done = run_pull(request.getfixturevalue("sshd"), child_env, src, dst)
+        return done.returncode, done.stdout + done.stderr
+
+    try:
+        job.wait_for_line("holding 2")
+        code, out = pull()
+    finally:
+        assert job.proc.stdin is not None
+        job.proc.stdin.write("go on\n")
+        job.proc.stdin.close()
+
+    assert code == STILL_WRITING, out
+    assert "STILL TRAINING: 1/1 verified in" in out, out
+    assert "newest step 2" in out
+    assert f"a live writer holds the source's writer lease: pid {job.proc.pid} on host" in out
+    assert "Pull again after it stops: the remote copy is NOT safe to tear down yet." in out
+    assert SAFE_LINE not in out
+    assert verified_steps(dst) == {2: True}  # what was there is pulled and verified all the same
+
+    assert job.finish() == 0, job.output
+    assert "done" in job.lines
+    code, out = pull()
+
+    assert code == 0, out
+    assert f"OK 2/2 verified in {dst}" in out
+    assert SAFE_LINE in out
+    assert verified_steps(dst) == {2: True, 4: True}
+
+
+def test_a_writer_on_another_machine_counts_until_its_lease_lapses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Over SSH the training machine's processes cannot be looked at: its lease's last renewal
+    # says whether it still writes (it renews every 30 s; 180 s without one: gone).
+    src = tmp_path / "remote"
+    remote_run(src, big=64 << 10)
+    now = time.time()
+
+    def lease(renewed_ago: float) -> None:
+        holder = Holder(
+            token="0123456789abcdef",
+            host="gpu-box-7",
+            pid=4242,
+            machine="another-boot/pid:[4026531836]",
+            since=now - 3600,
+            renewed=now - renewed_ago,
+            program="train.py",
+        )
+        (src / LEASE_NAME).write_bytes(holder.to_bytes())
+
+    lease(renewed_ago=20)
+    code, out, _ = run_cli(["pull", str(src), str(tmp_path / "a")], capsys)
+    assert code == STILL_WRITING, out
+    assert "pid 4242 on host 'gpu-box-7' (train.py)" in out
+    assert "renewed 20 s ago" in out
+    assert "if it was killed, its lease lapses at" in out
+    assert SAFE_LINE not in out
+
+    lease(renewed_ago=600)  # killed without giving it back (a preemption): lapsed
+    code, out, _ = run_cli(["pull", str(src), str(tmp_path / "b")], capsys)
+    assert code == 0, out
+    assert SAFE_LINE in out
 
 
 def test_a_changed_host_key_is_refused(

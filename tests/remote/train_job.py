@@ -1,15 +1,18 @@
 """A small training run for the tests of ``nbresume run`` and of stops on Slurm and Kubernetes.
 
-    python train_job.py DIR --total N [--every K] [--sleep S] [--torch]
+    python train_job.py DIR --total N [--every K] [--sleep S] [--torch] [--hold-at N]
 
 Prints ``start N`` (the step it continues from), ``step N`` after each step and ``done`` at the
-end. Without ``--torch`` the model is a NumPy array, so torch is never imported (a quick start)
-and the run can only start fresh; with ``--torch`` it is a small torch model that resumes.
+end. With ``--hold-at N`` it prints ``holding N`` at step N (its checkpoints saved so far, the
+folder's writer lease held) and goes on once a line arrives on its standard input. Without
+``--torch`` the model is a NumPy array, so torch is never imported (a quick start) and the run
+can only start fresh; with ``--torch`` it is a small torch model that resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=0.05)
     parser.add_argument("--torch", action="store_true")
+    parser.add_argument("--hold-at", type=int, default=None)
     args = parser.parse_args()
 
     state: dict[str, Any]
@@ -62,6 +66,9 @@ def main() -> None:
             state["model"].w += 1
         time.sleep(args.sleep)
         print(f"step {step}", flush=True)
+        if step == args.hold_at:
+            print(f"holding {step}", flush=True)
+            sys.stdin.readline()
     print("done", flush=True)
 
 
