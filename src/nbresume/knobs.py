@@ -97,6 +97,24 @@ SMOKE_STEPS = Knob(
     "N: a smoke run; every steps()/epochs() loop saves and stops after N steps, as at a "
     "deadline (set by `nbresume smoke`)",
 )
+CHECK_DIR = Knob(
+    "NBRESUME_CHECK_DIR",
+    "",
+    "a folder: every Checkpointer's folder, and nbresume.init's run folder, becomes a "
+    "sub-folder of it named after the original's last part (set by `nbresume check`)",
+)
+STOP_AT_STEP = Knob(
+    "NBRESUME_STOP_AT_STEP",
+    "",
+    "N: every steps()/epochs() loop saves at step N and stops, as at a deadline; unlike "
+    "NBRESUME_SMOKE_STEPS a resumed run stops at the same step (set by `nbresume check`)",
+)
+SAVE_EVERY = Knob(
+    "NBRESUME_SAVE_EVERY",
+    "",
+    "N: every Checkpointer saves every N steps, whatever its every= says (set by "
+    "`nbresume check`, so that its kills land between saves and inside them)",
+)
 
 HASH = Knob(
     "NBRESUME_HASH",
@@ -126,6 +144,9 @@ KNOBS: dict[str, Knob] = {
         SESSION_CAP,
         SLURM_REQUEUE,
         SMOKE_STEPS,
+        CHECK_DIR,
+        STOP_AT_STEP,
+        SAVE_EVERY,
         HASH,
     )
 }
@@ -253,6 +274,65 @@ def smoke_steps() -> int | None:
     if value < 1:
         raise _bad(SMOKE_STEPS, text, "a number of steps such as 3")
     return value
+
+
+def stop_at_step() -> int | None:
+    """The step every training loop saves at and stops (``nbresume check``), or ``None``."""
+    return _steps(STOP_AT_STEP)
+
+
+def save_every() -> int | None:
+    """The cadence in steps every Checkpointer saves at (``nbresume check``), or ``None``."""
+    return _steps(SAVE_EVERY)
+
+
+def _steps(knob: Knob) -> int | None:
+    text = knob.raw().strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise _bad(knob, text, "a number of steps such as 20") from None
+    if value < 1:
+        raise _bad(knob, text, "a number of steps such as 20")
+    return value
+
+
+#: The sub-folder of NBRESUME_CHECK_DIR each original folder was given, in this process.
+_CHECK_FOLDERS: dict[str, str] = {}
+
+
+def check_dir(original: object) -> str | None:
+    """Where a checkpoint folder goes under NBRESUME_CHECK_DIR (``nbresume check``), or
+    ``None`` when the variable is unset.
+
+    The sub-folder is named after the original's last part (``runs/exp1`` and
+    ``s3://bucket/exp1`` -> ``exp1``), so that each of a script's Checkpointers keeps a
+    folder of its own, the same one in every run; two originals of the same last part get
+    ``exp1`` and ``exp1-2`` in the order they are made. A folder already inside it stays.
+    """
+    text = CHECK_DIR.raw().strip()
+    if not text:
+        return None
+    root = Path(text).expanduser().absolute()
+    location = str(getattr(original, "location", original))  # a store names its location
+    if "://" not in location:
+        path = Path(location).expanduser().absolute()
+        if path == root or root in path.parents:
+            return str(path)
+    if location in _CHECK_FOLDERS:
+        return _CHECK_FOLDERS[location]
+    name = location.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    if name in ("", ".", "..") or name.endswith(":"):
+        name = "checkpoints"
+    taken = set(_CHECK_FOLDERS.values())
+    folder, count = str(root / name), 1
+    while folder in taken:
+        count += 1
+        folder = str(root / f"{name}-{count}")
+    _CHECK_FOLDERS[location] = folder
+    return folder
 
 
 def _bad(knob: Knob, value: str, wanted: str) -> UsageError:

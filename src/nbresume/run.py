@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nbresume import knobs
 from nbresume.platforms import Platform, detect
 from nbresume.platforms.base import check_run_name
 from nbresume.preflight import (
@@ -127,6 +128,9 @@ def init(
     from nbresume.checkpoint.determinism import apply
 
     apply(deterministic, "nbresume.init")  # before the preflight, which reports it
+    sandbox = knobs.check_dir(name if dir is None else dir)  # `nbresume check`'s own folder
+    if sandbox is not None:
+        dir = sandbox
     here = detect()
     target = str(dir) if dir is not None else here.default_root(name)
     strict_now = resolve_strict(strict, here)
