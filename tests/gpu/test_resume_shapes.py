@@ -134,6 +134,7 @@ def child_env(home: Path) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HOME": str(home / "hf"),
         "TORCHINDUCTOR_CACHE_DIR": str(home / "inductor"),
+        "TMPDIR": str(home / "tmp"),  # what else torch.compile writes (its C++ headers)
         # Compiled in the training process itself: no pool of compile workers is started, and
         # none outlives a run killed while it compiles.
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
@@ -153,6 +154,7 @@ class Runner:
     def __init__(self, workdir: Path, caches: Path) -> None:
         self.workdir = workdir
         self.env = child_env(caches)
+        (caches / "tmp").mkdir(parents=True, exist_ok=True)
         self.fork = os.environ.get("NBRESUME_GPU_TESTS_FORK", "1") != "0"
         self.note = ""
         self.runs = 0
