@@ -223,6 +223,7 @@ def test_reading_a_framework_folder_imports_neither_framework(tmp_path: Path) ->
         "import sys\n"
         "from nbresume.cli import main\n"
         f"main(['verify', {str(out)!r}]); main(['ls', {str(tmp_path / 'ckpts')!r}])\n"
+        f"main(['status', {str(out)!r}]); main(['status', {str(tmp_path / 'ckpts')!r}])\n"
         "assert not {'lightning', 'transformers', 'torch'} & set(sys.modules), 'imported'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
