@@ -32,7 +32,7 @@ from types import FrameType
 from typing import Any
 
 from nbresume import knobs
-from nbresume.checkpoint import determinism, health, hooks, restoring, stops
+from nbresume.checkpoint import determinism, gradients, health, hooks, restoring, stops
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
 from nbresume.checkpoint.cadence import Cadence
@@ -150,6 +150,8 @@ class Checkpointer(EpochLoopMixin):
         self._explicit_deadline = deadline not in (None, "auto")
         self._keep_best = keep_best
         self._objects: dict[str, Any] = {}
+        #: Which registered optimizers stepped in the running step (pending gradients).
+        self._step_watch = gradients.StepWatch()
         self._trainable_only = trainable_only
         self._values: dict[str, Any] = {}
         for name, value in state.items():
@@ -189,6 +191,8 @@ class Checkpointer(EpochLoopMixin):
             value = ResumableLoader(value)
         if is_generator(value):
             value = GeneratorState(value)  # restored into the same object
+        if gradients.is_optimizer(value):
+            self._step_watch.watch(value)
         if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
             self._objects[name] = value
             if isinstance(value, ResumableLoader):
@@ -263,7 +267,9 @@ class Checkpointer(EpochLoopMixin):
     def _apply_plan(self, plan: restoring.RestorePlan) -> None:
         """Put a checked plan into every object and RNG (all or nothing), then take its
         values and counters."""
+        grads = gradients.plan_put_back(self._objects, plan.saved.gradients, where=plan.where)
         restoring.apply(plan, self._objects, self._pending_objects)
+        gradients.put_back(grads)
         saved = plan.saved
         self._values.update(saved.values)
         self.step = saved.step
@@ -378,10 +384,32 @@ class Checkpointer(EpochLoopMixin):
             ranks=ranks,
             sharded=sharded,
             ended_early=self._ended_early if self.done else None,
+            gradients=self._pending_gradients(one_process=ranks is None and not sharded),
         )
         if copy:
             self._saver.mirror(snapshot)
         return snapshot
+
+    _warned_gradients = False
+
+    def _pending_gradients(self, *, one_process: bool) -> dict[str, dict[str, Any]]:
+        """The gradients accumulated since the last optimizer step (see
+        :mod:`nbresume.checkpoint.gradients`); under torch.distributed each rank holds its
+        own, which one checkpoint cannot carry: said once."""
+        found = gradients.pending(self._objects, self._step_watch)
+        if found and not one_process:
+            if not self._warned_gradients:
+                self._warned_gradients = True
+                log.warning(
+                    "nbresume: a save at step %d falls between two steps of %s: under "
+                    "torch.distributed the gradients accumulated since are not saved, and the "
+                    "resumed run repeats those micro-batches' update without them; save on an "
+                    "accumulation boundary (every= a multiple of it)",
+                    self.step,
+                    ", ".join(found),
+                )
+            return {}
+        return found
 
     def wait(self, *, durable: bool = False, timeout: float | None = None) -> Confirmation | None:
         """Block until the save in flight (if any) is committed and verified; raise its error.
@@ -456,6 +484,12 @@ class Checkpointer(EpochLoopMixin):
         save seen by any rank counts for all of them, at this same step, through one small
         agreement (see :mod:`nbresume.checkpoint.distributed`). The time-based cadence is the
         leading process's, whose clock measures the saves."""
+        try:
+            return self._step_boundary(final=final)
+        finally:
+            self._step_watch.boundary()  # the next step starts with no optimizer stepped
+
+    def _step_boundary(self, *, final: bool) -> bool:
         self.events.emit(ev.STEP, self.step, total=self.total, epoch=self.epoch)
         if final:
             return False  # the final save is blocking: it retries an earlier failure itself

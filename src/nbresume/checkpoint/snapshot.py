@@ -50,6 +50,8 @@ log = logging.getLogger("nbresume")
 STATE_FILE = "state"
 RNG_GROUP = "rng"
 VALUES_GROUP = "values"
+#: The tensor group (and state member) of gradients pending between two optimizer steps.
+GRADIENTS_GROUP = "gradients"
 
 
 class Snapshot:
@@ -289,11 +291,13 @@ def capture(
     ranks: list[Any] | None = None,
     sharded: Mapping[str, Any] | None = None,
     ended_early: Mapping[str, Any] | None = None,
+    gradients: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Snapshot:
     """The snapshot of the live state. ``pending``: restored state of objects not registered
     yet, carried on; ``ranks``: every rank's RNG states (under ``torch.distributed``);
     ``sharded``: objects each rank saves itself, left out here; ``ended_early``: the loop
-    (``{"loop": "steps" | "epochs", "bound": N}``) a finished run left by ``break``."""
+    (``{"loop": "steps" | "epochs", "bound": N}``) a finished run left by ``break``;
+    ``gradients``: the gradients pending between two optimizer steps, by optimizer."""
     tensors: dict[str, dict[str, Any]] = {}
     documents: dict[str, Any] = {}
     trees = [(n, o.state_dict()) for n, o in objects.items() if not (sharded and n in sharded)]
@@ -324,6 +328,10 @@ def capture(
     }
     if ended_early is not None:
         state["ended_early"] = dict(ended_early)
+    if gradients:
+        state[GRADIENTS_GROUP], tensors[GRADIENTS_GROUP] = flatten(
+            {name: dict(grads) for name, grads in gradients.items()}, name=GRADIENTS_GROUP
+        )
     if ranks is not None:
         state["world_size"] = len(ranks)
         state["rank_rng"] = rank_rng

@@ -256,6 +256,8 @@ class SavedState:
     #: A run that finished by leaving its loop early: ``{"loop": "steps" | "epochs", "bound":
     #: N}``, the loop and its total (or count) at that end; ``None`` otherwise.
     ended_early: dict[str, Any] | None = None
+    #: Gradients pending between two optimizer steps: ``{optimizer: {"<g>.<i>": tensor}}``.
+    gradients: dict[str, Any] = field(default_factory=dict)
 
 
 def is_state_document(document: Any) -> bool:
@@ -338,6 +340,9 @@ def decode_state(
     if not isinstance(others, list) or (world_size > 1 and len(others) != world_size - 1):
         raise bad("'rank_rng' does not hold the RNG states of every rank")
     rank_rng = [rebuild(tree, "rng", f"rank_rng/{i}") for i, tree in enumerate(others)]
+    gradients = rebuild(document.get("gradients", {}), "gradients", "gradients")
+    if not isinstance(gradients, dict) or not all(isinstance(v, dict) for v in gradients.values()):
+        raise bad("'gradients' is not an object of optimizers' gradients")
     for index, tree in enumerate([rng, *rank_rng]):
         if not isinstance(tree, dict):
             raise bad(f"the RNG state of rank {index} is not an object")
@@ -354,6 +359,7 @@ def decode_state(
         rank_rng=rank_rng,
         sharded=sharded,
         ended_early=ended_early,
+        gradients=gradients,
     )
 
 

@@ -1,0 +1,110 @@
+"""Gradients accumulated between two optimizer steps, carried across a save.
+
+With gradient accumulation, a step boundary can fall between two optimizer steps: the
+gradients of the micro-batches since the last ``optimizer.step()`` are part of the training
+state, and a resume without them trains on fewer samples for that update. A save therefore
+keeps them when they are pending: an optimizer registered with the Checkpointer did not step
+since the last step boundary, and some of its parameters hold a gradient. Gradients left over
+after an optimizer step (``zero_grad()`` comes first in the next step) are not pending, so the
+usual loop saves nothing more.
+
+The gradients go into the checkpoint's ``gradients`` tensor group, keyed by optimizer name and
+``"<group>.<index>"`` of the parameter in that optimizer's parameter groups; ``restore()`` puts
+them back into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from nbresume.errors import CheckpointError
+
+
+def is_optimizer(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.optim.Optimizer)
+
+
+class StepWatch:
+    """Which registered optimizers stepped since the last step boundary."""
+
+    def __init__(self) -> None:
+        self._stepped: set[int] = set()
+
+    def watch(self, optimizer: Any) -> None:
+        """Follow ``optimizer``'s steps (its hook holds this watch weakly: a Checkpointer
+        that is gone leaves a hook that does nothing)."""
+        me = weakref.ref(self)
+
+        def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            watch = me()
+            if watch is not None:
+                watch._stepped.add(id(opt))
+
+        optimizer.register_step_post_hook(hook)
+
+    def stepped(self, optimizer: Any) -> bool:
+        return id(optimizer) in self._stepped
+
+    def boundary(self) -> None:
+        """A step ended: the next one starts with no optimizer stepped."""
+        self._stepped.clear()
+
+
+def pending(objects: Mapping[str, Any], watch: StepWatch) -> dict[str, dict[str, Any]]:
+    """The pending gradients of every registered optimizer that did not step since the last
+    boundary: ``{optimizer name: {"<group>.<index>": grad}}`` (empty: none pending)."""
+    found: dict[str, dict[str, Any]] = {}
+    for name, obj in objects.items():
+        if not is_optimizer(obj) or watch.stepped(obj):
+            continue
+        grads = {
+            f"{g}.{i}": p.grad.detach()
+            for g, group in enumerate(obj.param_groups)
+            for i, p in enumerate(group["params"])
+            if p.grad is not None
+        }
+        if grads:
+            found[name] = grads
+    return found
+
+
+def plan_put_back(
+    objects: Mapping[str, Any], saved: Mapping[str, Any], *, where: str
+) -> list[tuple[Any, Any]]:
+    """Check the saved pending gradients against the live parameters (changing nothing);
+    the ``(parameter, gradient)`` pairs for :func:`put_back`."""
+    assignments = []
+    for name, grads in saved.items():
+        obj = objects.get(name)
+        if obj is None or not is_optimizer(obj) or not isinstance(grads, Mapping):
+            raise CheckpointError(
+                f"the checkpoint holds pending gradients for {name!r}, which is not a "
+                "registered optimizer here",
+                where=where,
+                fix=f"register the optimizer as {name}= as in the run that saved it",
+            )
+        params = {
+            f"{g}.{i}": p
+            for g, group in enumerate(obj.param_groups)
+            for i, p in enumerate(group["params"])
+        }
+        for key, grad in grads.items():
+            param = params.get(key)
+            if param is None or tuple(param.shape) != tuple(grad.shape):
+                raise CheckpointError(
+                    f"the pending gradient {name}/{key} does not fit the optimizer's parameters",
+                    where=where,
+                    fix="build the model and optimizer exactly as in the run that saved it",
+                )
+            assignments.append((param, grad))
+    return assignments
+
+
+def put_back(assignments: list[tuple[Any, Any]]) -> None:
+    """Set the checked gradients into ``.grad``, on each parameter's device and dtype."""
+    for param, grad in assignments:
+        param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
