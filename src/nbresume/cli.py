@@ -311,6 +311,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, seed=args.seed)
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from nbresume.resumecheck import check
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        return _usage(
+            args,
+            "the command to check is missing: give it after --, as in "
+            "`nbresume check -- python train.py`",
+        )
+    return check(
+        command,
+        steps=args.steps,
+        kills=args.kills,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        keep=args.keep,
+    )
+
+
 def _cmd_smoke(args: argparse.Namespace) -> int:
     from nbresume.kaggle.commands import smoke
 
@@ -674,6 +696,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=None, help="make the random kill reproducible")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "check",
+        help="test your own script for exact resume: kill it, resume it, compare",
+        description="Run CMD (your training script, as you run it) on a small budget of "
+        "steps, in temporary folders that every Checkpointer of the script saves into: once "
+        "uninterrupted, and once killed with SIGKILL at random moments (one inside a save) "
+        "and started again each time until it ends. Both runs stop and save at the same "
+        "step; the two final checkpoints are read back, verified and compared tensor by "
+        "tensor. The report says 'exact', or which state differs (model, optimizer, "
+        "scheduler, RNG, loader position, a plain value) and the likely cause, with its "
+        "fix. Exit status 0 when exact, 1 when it differs or a run failed.",
+    )
+    p.add_argument(
+        "--steps",
+        type=_int_at_least(2),
+        default=20,
+        metavar="N",
+        help="every training loop saves and stops at step N (default 20)",
+    )
+    p.add_argument(
+        "--kills", type=_positive_int, default=2, metavar="K", help="kills (default 2)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="repeat the kill moments of a check")
+    p.add_argument(
+        "--timeout",
+        type=_positive_int,
+        default=300,
+        metavar="SECONDS",
+        help="longest one start of the script may run (default 300)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the runs' folders and logs")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser(
         "convert-lightning",

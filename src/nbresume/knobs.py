@@ -316,14 +316,15 @@ def check_dir(original: object) -> str | None:
     if not text:
         return None
     root = Path(text).expanduser().absolute()
-    location = str(getattr(original, "location", original))  # a store names its location
+    location = str(getattr(original, "location", original)).rstrip("/\\")  # a store's too
     if "://" not in location:
         path = Path(location).expanduser().absolute()
         if path == root or root in path.parents:
             return str(path)
+        location = str(path)  # the same folder, however it is written
     if location in _CHECK_FOLDERS:
         return _CHECK_FOLDERS[location]
-    name = location.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    name = location.replace("\\", "/").rsplit("/", 1)[-1]
     if name in ("", ".", "..") or name.endswith(":"):
         name = "checkpoints"
     taken = set(_CHECK_FOLDERS.values())

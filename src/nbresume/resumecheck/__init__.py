@@ -1,0 +1,253 @@
+"""``nbresume check -- python train.py``: does *this* script resume exactly?
+
+nbresume saves what it is given and the global random streams; a script may keep state
+elsewhere (a generator of its own, a local counter, gradients accumulated over several
+steps). The check runs the user's own command on a small budget of steps, in folders of its
+own: twice uninterrupted (side by side), and once killed with SIGKILL at random moments (one
+of them inside a save) and started again each time until it ends. Every run stops and saves
+at the same step N; the final checkpoints are then read back, verified, and compared tensor
+by tensor and value by value. What differs between the two uninterrupted runs too (a random
+stream the script never seeds nor draws from) is left out; what differs only after the kills
+is reported by kind, with the likely cause and its fix.
+"""
+
+from __future__ import annotations
+
+import random
+import shlex
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nbresume.resumecheck import causes
+from nbresume.resumecheck.compare import (
+    KINDS,
+    PROGRESS,
+    RNG,
+    Comparison,
+    Difference,
+    compare,
+    final_checkpoints,
+    reproducible,
+)
+from nbresume.resumecheck.runs import (
+    Kill,
+    Leg,
+    Run,
+    RunFailed,
+    plan_kills,
+    run_uninterrupted,
+    run_with_kill,
+)
+
+DEFAULT_STEPS = 20
+DEFAULT_KILLS = 2
+DEFAULT_TIMEOUT_S = 300.0
+
+__all__ = ["DEFAULT_KILLS", "DEFAULT_STEPS", "DEFAULT_TIMEOUT_S", "check"]
+
+
+def check(
+    command: Sequence[str],
+    *,
+    steps: int = DEFAULT_STEPS,
+    kills: int = DEFAULT_KILLS,
+    seed: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    keep: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> int:
+    """Run the check of ``command``; return the exit status: 0 when the resumed run ended
+    bit-identical to the uninterrupted one, 1 when it did not or the check could not run."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(100_000)
+    job = _Check(list(command), steps, kills, seed, timeout_s, say or _print)
+    job.say(f"nbresume check: `{shlex.join(command)}`, {steps} steps, {kills} kill(s), seed {seed}")
+    work = Path(tempfile.mkdtemp(prefix="nbresume-check-"))
+    try:
+        return job.run(work)
+    except RunFailed as exc:
+        job.say(f"FAILED: {exc.message}")
+        job.say(f"fix: {exc.fix}")
+        return 1
+    finally:
+        if keep:
+            job.say(f"the runs' folders and logs are kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+@dataclass
+class _Check:
+    command: list[str]
+    steps: int
+    kills: int
+    seed: int
+    timeout_s: float
+    say: Callable[[str], None]
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)  # noqa: S311 - when to kill, not security
+
+    def run(self, work: Path) -> int:
+        first, again, second = (
+            Run(name, work / folder, work / f"{folder}.log")
+            for name, folder in (("run 1", "run1"), ("run 1b", "run1b"), ("run 2", "run2"))
+        )
+        for run in (first, again, second):
+            run.root.mkdir()
+
+        # Twice, side by side: what differs between two uninterrupted runs is not the
+        # resume's doing (an unseeded stream the script never draws from, a time stamp),
+        # and weights that differ there mean that the script is not reproducible at all.
+        run_uninterrupted(self.command, [first, again], self.steps, self.timeout_s)
+        finals = final_checkpoints(first.root)
+        if not finals:
+            self.say(
+                "FAILED: run 1 saved no checkpoint. `nbresume check` redirects the folder of "
+                "every nbresume.Checkpointer (and of nbresume.init) the script makes; does it "
+                "make one and train in ckpt.steps() or ckpt.epochs()?"
+            )
+            return 1
+        last = max(f.step for f in finals.values())
+        seconds = first.legs[0].seconds
+        self.say(
+            f"run 1 (uninterrupted, twice side by side): done at step {last} ({seconds:.1f} s)"
+        )
+        baseline = compare(finals, final_checkpoints(again.root))
+        if not reproducible(baseline):
+            return self._not_reproducible(baseline)
+        noise = baseline.differences
+        if noise:
+            self._left_out(noise)
+
+        killed = self._killed_run(second, plan_kills(self.kills, last, self.rng))
+        comparison = compare(finals, final_checkpoints(second.root))
+        ignored = {(d.folder, d.kind, d.name) for d in noise}
+        comparison.differences = [
+            d for d in comparison.differences if (d.folder, d.kind, d.name) not in ignored
+        ]
+        return self._report(comparison, noise, killed)
+
+    def _left_out(self, noise: list[Difference]) -> None:
+        shown = ", ".join(d.label() for d in noise)
+        plural = len(noise) > 1
+        if all(d.kind == RNG for d in noise):
+            why = "the script does not seed " + ("them" if plural else "it")
+        else:
+            why = "they change from one run to the next" if plural else "it changes every run"
+        differ = "they differ" if plural else "it differs"
+        self.say(
+            f"left out of the comparison: {shown}: {differ} between the two uninterrupted "
+            f"runs too ({why})"
+        )
+
+    def _killed_run(self, run: Run, plan: list[Kill]) -> list[Leg]:
+        """Run 2: started, killed as planned and started again until it ends; its kills."""
+        killed: list[Leg] = []
+        pending = list(plan)
+        while True:
+            kill = pending.pop(0) if pending else None
+            if kill is not None and killed and killed[-1].step is not None:
+                kill.target = max(kill.target, killed[-1].step + 1)  # train between two kills
+            if kill is not None and kill.target >= self.steps:
+                kill, pending = None, []
+            leg = run_with_kill(
+                self.command, run, self.steps, kill, rng=self.rng, timeout_s=self.timeout_s
+            )
+            run.legs.append(leg)
+            began = f"resumed at step {leg.resumed_at}" if leg.resumed_at else "started fresh"
+            if leg.ended == "done":
+                newest = max((f.step for f in final_checkpoints(run.root).values()), default=0)
+                self.say(f"run 2: {began}, done at step {newest}")
+                return killed
+            killed.append(leg)
+            where = (
+                f"while saving step {leg.step} (inside a save)"
+                if leg.inside_save
+                else f"after step {leg.step or 0} was saved (between saves)"
+            )
+            self.say(f"run 2: {began}, killed {where}")
+
+    def _report(self, comparison: Comparison, noise: list[Difference], killed: list[Leg]) -> int:
+        if not killed:
+            self.say(
+                "NOT CHECKED: no kill found a moment before the final save, so nothing was "
+                "resumed: give the script more steps (--steps)"
+            )
+            return 1
+        if not any(leg.inside_save for leg in killed):
+            self.say("note: no kill landed inside a save this time (each save ended first)")
+        if comparison.exact:
+            held = set().union(*comparison.kinds.values())
+            streams = sorted(comparison.streams - {d.name for d in noise if d.kind == RNG})
+            parts = ", ".join(
+                f"RNG ({', '.join(streams)})" if k == RNG else k
+                for k in KINDS
+                if k in held and k != PROGRESS and (k != RNG or streams)
+            )
+            ended = ", ".join(str(s) for s in sorted({b for _, b in comparison.compared.values()}))
+            self.say(
+                f"exact: the final checkpoints (step {ended}) are bit-identical, read back and "
+                f"verified: {parts}"
+            )
+            return 0
+        self.say("DIFFERENT: the resumed run did not end as the uninterrupted one")
+        for name in comparison.missing:
+            self.say(f"  the Checkpointer of folder {name!r} saved in one run only")
+        for difference in comparison.differences:
+            self.say(f"  {difference.line()}")
+        script = _script(self.command)
+        name = script.name if script is not None else "the script"
+        verdicts = causes.likely_causes(comparison, _source(script), name)
+        for verdict in verdicts:
+            self._cause(verdict.cause, verdict.evidence)
+        if not verdicts:
+            self.say(
+                "cause: none of the known causes fits; look for state the training step uses "
+                "that the Checkpointer is not given"
+            )
+        self.say(
+            f"repeat this check: nbresume check --seed {self.seed} --steps {self.steps} "
+            f"--kills {self.kills} -- {shlex.join(self.command)}"
+        )
+        return 1
+
+    def _not_reproducible(self, baseline: Comparison) -> int:
+        self.say("NOT REPRODUCIBLE: two uninterrupted runs already end differently")
+        for difference in baseline.differences:
+            self.say(f"  {difference.line()}")
+        for name in baseline.missing:
+            self.say(f"  the Checkpointer of folder {name!r} saved in one run only")
+        self._cause(causes.UNSEEDED, "two uninterrupted runs differ: no resumed run can match")
+        return 1
+
+    def _cause(self, cause: causes.Cause, evidence: str) -> None:
+        self.say(f"likely cause: {cause.title}")
+        self.say(f"  seen: {evidence}")
+        self.say(f"  why: {cause.why}")
+        self.say(f"  fix: {cause.fix}")
+
+
+def _script(command: Sequence[str]) -> Path | None:
+    """The Python file the command runs, when it names one (its source hints at causes)."""
+    for argument in command[1:]:
+        if argument.endswith(".py") and Path(argument).is_file():
+            return Path(argument)
+    return None
+
+
+def _source(script: Path | None) -> str | None:
+    if script is None:
+        return None
+    try:
+        return script.read_text(errors="replace")
+    except OSError:
+        return None

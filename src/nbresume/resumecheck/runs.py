@@ -1,0 +1,280 @@
+"""The two runs of ``nbresume check``: one uninterrupted, one killed and started again.
+
+Each run is the user's own command, in a process group of its own, with the environment
+knobs that make it a small, comparable run: ``NBRESUME_CHECK_DIR`` (every Checkpointer saves
+into a folder of the run's own), ``NBRESUME_STOP_AT_STEP`` (every loop saves and stops at
+the same step N, a resumed run included) and ``NBRESUME_SAVE_EVERY=1`` (a save after every
+step, so that a kill lands between saves or inside one).
+
+A kill is aimed from outside, by watching the checkpoint folders: a save in progress is a
+hidden ``.nbresume-tmp-<step>-...`` folder that the commit renames into place. When the
+moment comes, the whole process group is stopped (SIGSTOP) first, the folders are looked at
+again while nothing moves, and only then is it killed (SIGKILL), or let go on (SIGCONT) when
+the moment has passed: a kill reported as "inside a save" was one, and no kill ever lands
+after the final save of step N began (a resumed run would then train past N).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nbresume import knobs
+from nbresume.checkpoint.format import TEMP_PREFIX, parse_step_dirname
+from nbresume.errors import NbresumeError
+
+#: Seconds between two looks at the checkpoint folders while a kill is aimed.
+POLL_S = 0.001
+#: Seconds to wait for a stopped process group to be stopped for sure.
+STOP_WAIT_S = 1.0
+
+
+class RunFailed(NbresumeError):
+    """The script failed, or ran past the time it was given, in one of the runs."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the checkpoint folders of a run show at one moment."""
+
+    #: The newest committed step (``None``: no checkpoint yet).
+    committed: int | None
+    #: Saves in progress: their hidden folder (as ``subfolder/name``) and step.
+    pending: dict[str, int]
+
+    def newest(self, ignore: Collection[str] = ()) -> int:
+        """The newest step committed or being saved (0 when none), ``ignore`` aside."""
+        steps = [s for n, s in self.pending.items() if n not in ignore]
+        return max([self.committed or 0, *steps])
+
+
+def look(root: Path) -> Progress:
+    """The newest committed step and the saves in progress under ``root`` (every
+    Checkpointer's folder is a sub-folder of it)."""
+    committed: int | None = None
+    pending: dict[str, int] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for folder in os.scandir(root):
+            if not folder.is_dir():
+                continue
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                for entry in os.scandir(folder.path):
+                    step = parse_step_dirname(entry.name)
+                    if step is not None:
+                        committed = step if committed is None else max(committed, step)
+                    elif entry.name.startswith(TEMP_PREFIX):
+                        digits = entry.name[len(TEMP_PREFIX) :].split("-", 1)[0]
+                        pending_step = parse_step_dirname(digits)
+                        if pending_step is not None:
+                            pending[f"{folder.name}/{entry.name}"] = pending_step
+    return Progress(committed, pending)
+
+
+@dataclass
+class Kill:
+    """One planned kill: at the first save of ``target`` or later (``in_save``), or once
+    ``target`` is committed, between saves where one is found."""
+
+    target: int
+    in_save: bool
+
+
+@dataclass
+class Leg:
+    """One process of a run: where it started, and how it ended."""
+
+    resumed_at: int | None
+    #: "done", or how it was killed.
+    ended: str
+    #: The step it was killed at (the save in progress, else the newest committed step).
+    step: int | None = None
+    inside_save: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class Run:
+    """A run of the script: its folders, its log and its processes."""
+
+    name: str
+    root: Path
+    log: Path
+    legs: list[Leg] = field(default_factory=list)
+
+
+def environment(root: Path, steps: int) -> dict[str, str]:
+    """The script's environment: this one, with the knobs of a check run."""
+    env = {k: v for k, v in os.environ.items() if k != knobs.SMOKE_STEPS.name}
+    env.update(
+        {
+            knobs.CHECK_DIR.name: str(root),
+            knobs.STOP_AT_STEP.name: str(steps),
+            knobs.SAVE_EVERY.name: "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def start(command: Sequence[str], run: Run, steps: int) -> subprocess.Popen[bytes]:
+    """Start the script, its output appended to the run's log, in a process group of its own
+    (a kill reaches the DataLoader's workers and any wrapper shell too)."""
+    with open(run.log, "ab") as out:
+        try:
+            return subprocess.Popen(
+                list(command),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=environment(run.root, steps),
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise RunFailed(
+                f"cannot start the command: {exc.strerror or exc}",
+                where=command[0],
+                fix="give the command as you run it, after --: nbresume check -- python train.py",
+            ) from None
+
+
+def _signal(process: subprocess.Popen[bytes], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (Linux: its state in /proc; elsewhere assumed soon)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t", "Z", "X")
+
+
+def _freeze(process: subprocess.Popen[bytes]) -> None:
+    _signal(process, signal.SIGSTOP)
+    waited = time.monotonic() + STOP_WAIT_S
+    while not _stopped(process.pid) and time.monotonic() < waited:
+        time.sleep(POLL_S)
+
+
+def finish(run: Run, process: subprocess.Popen[bytes], *, started: float, timeout_s: float) -> None:
+    """Wait for the process to end on its own; raise when it fails or takes too long."""
+    try:
+        code = process.wait(timeout=max(0.0, started + timeout_s - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _signal(process, signal.SIGKILL)
+        process.wait()
+        raise RunFailed(
+            f"{run.name} did not finish within {timeout_s:g} s; its last lines:\n{tail(run.log)}",
+            fix="give it more time with --timeout, or fewer steps with --steps",
+        ) from None
+    if code != 0:
+        raise RunFailed(
+            f"{run.name}: the script exited with status {code}; its last lines:\n{tail(run.log)}",
+            fix="make the script run to its end on its own first (`nbresume check` runs it "
+            "as given, in the current folder)",
+        )
+
+
+def tail(log: Path, lines: int = 15) -> str:
+    """The last lines of a log, indented."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(f"    {line}" for line in text.splitlines()[-lines:])
+
+
+def run_uninterrupted(
+    command: Sequence[str], runs: Sequence[Run], steps: int, timeout_s: float
+) -> None:
+    """Uninterrupted runs, side by side."""
+    started = time.monotonic()
+    processes = [start(command, run, steps) for run in runs]
+    try:
+        for run, process in zip(runs, processes, strict=True):
+            finish(run, process, started=started, timeout_s=timeout_s)
+            run.legs.append(Leg(None, "done", seconds=time.monotonic() - started))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                _signal(process, signal.SIGKILL)
+                process.wait()
+
+
+def run_with_kill(
+    command: Sequence[str],
+    run: Run,
+    steps: int,
+    kill: Kill | None,
+    *,
+    rng: random.Random,
+    timeout_s: float,
+) -> Leg:
+    """One process of the killed run: started, and killed as ``kill`` says (``None``: let it
+    finish). Returns how it ended; a kill that found no moment before the final save of
+    ``steps`` began lets the process finish ("done")."""
+    before = look(run.root)
+    stale = set(before.pending)  # what a killed process left: the next save cleans it
+    leg = Leg(before.committed, "done")
+    started = time.monotonic()
+    process = start(command, run, steps)
+    aimed_at: float | None = None  # when the target was committed (a kill between saves)
+    while kill is not None and process.poll() is None:
+        if time.monotonic() - started > timeout_s:
+            break  # finish() reports it
+        now = look(run.root)
+        saving = {n: s for n, s in now.pending.items() if n not in stale}
+        if now.newest(stale) >= steps:
+            kill = None  # the final save began: killing now could resume past step N
+            break
+        due = False
+        if kill.in_save:
+            due = any(s >= kill.target for s in saving.values())
+        elif now.committed is not None and now.committed >= kill.target:
+            aimed_at = aimed_at or time.monotonic() + rng.uniform(0.0, 0.02)
+            due = time.monotonic() >= aimed_at
+        if not due:
+            time.sleep(POLL_S)
+            continue
+        _freeze(process)
+        still = look(run.root)
+        saving = {n: s for n, s in still.pending.items() if n not in stale}
+        if still.newest(stale) >= steps or (kill.in_save and not saving):
+            _signal(process, signal.SIGCONT)  # the moment passed (the save committed)
+            if still.newest(stale) >= steps:
+                kill = None
+            continue
+        _signal(process, signal.SIGKILL)
+        process.wait()
+        leg.ended = "killed"
+        leg.inside_save = bool(saving)
+        leg.step = max(saving.values()) if saving else still.committed
+        leg.seconds = time.monotonic() - started
+        return leg
+    finish(run, process, started=started, timeout_s=timeout_s)
+    leg.seconds = time.monotonic() - started
+    return leg
+
+
+def plan_kills(count: int, last: int, rng: random.Random) -> list[Kill]:
+    """``count`` kills spread over steps 2 to ``last - 1`` (fewer where there are not that
+    many steps), ascending; at least one of them inside a save."""
+    first = 2 if last > 3 else 1
+    span = list(range(first, last))
+    if not span:
+        return []
+    count = min(count, len(span))
+    size = len(span) / count
+    targets = [span[int(i * size) + rng.randrange(max(1, int(size)))] for i in range(count)]
+    kinds = [rng.random() < 0.5 for _ in targets]
+    kinds[rng.randrange(count)] = True  # disjoint spans: the targets are distinct, ascending
+    return [Kill(t, k) for t, k in zip(targets, kinds, strict=True)]

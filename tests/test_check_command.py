@@ -1,0 +1,259 @@
+"""``nbresume check -- python train.py``: a user's own script, killed, resumed and compared.
+
+End to end with real processes: the getting-started script of the docs resumes exactly; a
+script with a NumPy generator the Checkpointer is not given, and one whose early-stopping
+counter is a local variable, are caught, with the cause named; a sampler that shuffles with
+Python's ``random`` resumes exactly. The knobs the command sets are tested on their own too.
+
+The four checks start together (each runs its script five times or so, every start importing
+torch): the tests then wait for their own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nbresume
+from nbresume import knobs
+from nbresume.checkpoint.cadence import Cadence
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "check_scripts"
+STEPS = 12
+SEED = 7
+
+
+def environment(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
+    env.update(
+        TMPDIR=str(tmp),  # the check's own folders, and anything torch writes, stay in here
+        NBRESUME_HOME=str(tmp / "home"),
+        NBRESUME_PROBE_HOST="127.0.0.1",  # no test reaches a real service
+        NBRESUME_PROBE_PORT="9",
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+@dataclass
+class Check:
+    """A ``nbresume check`` running in a folder of its own."""
+
+    process: subprocess.Popen[str]
+    tmp: Path
+
+    def result(self) -> tuple[int, str]:
+        out, _ = self.process.communicate(timeout=900)
+        return self.process.returncode, out
+
+
+def start_check(folder: Path, script: Path, *options: str) -> Check:
+    folder.mkdir(parents=True)
+    shutil.copy(script, folder / script.name)
+    tmp = folder / "tmp"
+    tmp.mkdir()
+    command = [sys.executable, "-m", "nbresume", "check", "--seed", str(SEED)]
+    command += ["--steps", str(STEPS), *options, "--", sys.executable, script.name]
+    process = subprocess.Popen(
+        command,
+        cwd=folder,
+        env=environment(tmp),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return Check(process, tmp)
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Check]]:
+    base = tmp_path_factory.mktemp("checks")
+    scripts = {
+        "quickstart": ROOT / "docs" / "examples" / "train.py",
+        "unsaved_generator": SCRIPTS / "unsaved_generator.py",
+        "early_stopping": SCRIPTS / "early_stopping.py",
+        "random_sampler": SCRIPTS / "random_sampler.py",
+    }
+    started = {name: start_check(base / name, path) for name, path in scripts.items()}
+    yield started
+    for check in started.values():
+        if check.process.poll() is None:
+            check.process.kill()
+            check.process.communicate()
+
+
+def finished(check: Check) -> tuple[int, str]:
+    code, out = check.result()
+    left = [p.name for p in check.tmp.iterdir() if p.name.startswith("nbresume-check-")]
+    assert not left, f"the check left its folders behind: {left}"
+    return code, out
+
+
+@pytest.mark.slow
+def test_the_getting_started_script_resumes_exactly(checks: dict[str, Check]) -> None:
+    code, out = finished(checks["quickstart"])
+    assert code == 0, out
+    assert f"seed {SEED}" in out
+    assert f"run 1 (uninterrupted, twice side by side): done at step {STEPS}" in out
+    assert "(inside a save)" in out  # at least one of the kills landed inside a save
+    assert "run 2: resumed at step" in out
+    assert f"done at step {STEPS}" in out.splitlines()[-2]
+    assert out.splitlines()[-1].startswith(f"exact: the final checkpoints (step {STEPS})")
+    assert "model, optimizer, RNG (torch), loader position" in out
+
+
+@pytest.mark.slow
+def test_a_generator_not_given_to_the_checkpointer_is_caught_and_named(
+    checks: dict[str, Check],
+) -> None:
+    code, out = finished(checks["unsaved_generator"])
+    assert code == 1, out
+    assert "DIFFERENT: the resumed run did not end as the uninterrupted one" in out
+    assert "  model 'model': 4 of 4 differ: 0.weight (by up to" in out
+    assert "likely cause: an unsaved random generator" in out
+    assert "unsaved_generator.py makes `rng = np.random.default_rng(...)`" in out
+    assert "fix: give it to the Checkpointer" in out
+    assert f"repeat this check: nbresume check --seed {SEED} --steps {STEPS} --kills 2 --" in out
+
+
+@pytest.mark.slow
+def test_an_early_stopping_counter_in_a_local_variable_is_caught_and_named(
+    checks: dict[str, Check],
+) -> None:
+    code, out = finished(checks["early_stopping"])
+    assert code == 1, out
+    # The uninterrupted run stops early at step 7; a resumed one counts its patience again.
+    assert "run 1 (uninterrupted, twice side by side): done at step 7" in out
+    assert "  steps trained: run 1 finished at step 7, run 2 finished at step " in out
+    assert "likely cause: a counter in a local variable" in out
+    assert "early_stopping.py has an early-stopping patience count" in out
+    assert "ckpt['patience']" in out
+
+
+@pytest.mark.slow
+def test_a_sampler_shuffling_with_random_resumes_exactly(checks: dict[str, Check]) -> None:
+    code, out = finished(checks["random_sampler"])
+    assert code == 0, out
+    assert "exact: the final checkpoints (step 12) are bit-identical" in out
+    assert "RNG (python, torch)" in out  # seeded by the script: compared, and equal
+
+
+# -- usage, and a script that fails ----------------------------------------------------------
+
+
+def nbresume_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nbresume", *args],
+        cwd=cwd,
+        env=environment(cwd),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_without_a_command_or_with_too_few_steps_it_is_a_usage_error(tmp_path: Path) -> None:
+    for args in (["check"], ["check", "--"], ["check", "--steps", "8", "--"]):
+        done = nbresume_cli(tmp_path, *args)
+        assert done.returncode == 2, done
+        assert "the command to check is missing" in done.stderr
+        assert "nbresume check -- python train.py" in done.stderr
+    done = nbresume_cli(tmp_path, "check", "--steps", "1", "--", "python", "train.py")
+    assert done.returncode == 2
+    assert "--steps: must be at least 2, got 1" in done.stderr
+
+
+def test_a_script_that_fails_is_reported_with_its_output_and_nothing_is_left(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "broken.py").write_text("print('loading data')\nraise SystemExit(3)\n")
+    done = nbresume_cli(tmp_path, "check", "--", sys.executable, "broken.py")
+    assert done.returncode == 1, done
+    assert "FAILED: run 1: the script exited with status 3; its last lines:" in done.stdout
+    assert "    loading data" in done.stdout  # the end of its output, to see why
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("nbresume-check-")]
+
+
+# -- the knobs the command sets --------------------------------------------------------------
+
+
+class Weights:
+    """A stateful object without torch: a vector that each step changes."""
+
+    def __init__(self) -> None:
+        self.w = np.zeros(3)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"w": self.w.copy()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.w = np.asarray(state["w"]).copy()
+
+
+def test_check_dir_gives_each_checkpoint_folder_a_sub_folder_named_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sandbox = tmp_path / "sandbox"
+    monkeypatch.setattr(knobs, "_CHECK_FOLDERS", {})
+    monkeypatch.setenv(knobs.CHECK_DIR.name, str(sandbox))
+    assert knobs.check_dir("runs/exp1") == str(sandbox / "exp1")
+    assert knobs.check_dir("runs/exp1/") == str(sandbox / "exp1")  # the same folder, again
+    assert knobs.check_dir("s3://bucket/exp1") == str(sandbox / "exp1-2")  # another exp1
+    assert knobs.check_dir(sandbox / "exp1") == str(sandbox / "exp1")  # already inside
+    ckpt = nbresume.Checkpointer(
+        "memory://bucket/run", every=None, async_save=False, quiet=True, weights=Weights()
+    )
+    for _ in ckpt.steps(2):
+        pass
+    ckpt.close()
+    assert [i.step for i in nbresume.CheckpointStore(sandbox / "run", keep=None).list()] == [2]
+    run = nbresume.init("my-run", quiet=True)
+    assert run.dir == str(sandbox / "my-run")
+    monkeypatch.delenv(knobs.CHECK_DIR.name)
+    assert knobs.check_dir("runs/exp1") is None
+
+
+def test_stop_at_step_stops_a_fresh_and_a_resumed_loop_at_the_same_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def train(stop_at: int) -> tuple[int, bool, list[int]]:
+        monkeypatch.setenv(knobs.STOP_AT_STEP.name, str(stop_at))
+        weights = Weights()
+        ckpt = nbresume.Checkpointer(
+            tmp_path / "run", every=None, async_save=False, quiet=True, weights=weights
+        )
+        trained = []
+        for step in ckpt.steps(100):
+            weights.w += step
+            trained.append(step)
+        ckpt.close()
+        return ckpt.step, ckpt.done, trained
+
+    assert train(3) == (3, False, [0, 1, 2])  # saved at step 3 and stopped, not done
+    assert train(5) == (5, False, [3, 4])  # resumed at 3: stops at 5, not 3 + 5
+    assert [i.step for i in nbresume.CheckpointStore(tmp_path / "run", keep=None).list()] == [
+        3,
+        5,
+    ]
+
+
+def test_save_every_overrides_the_cadence_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    never, hourly = Cadence(None), Cadence("1h")
+    assert not never.due(1, 0.0)
+    assert not hourly.due(1, 0.0)
+    monkeypatch.setenv(knobs.SAVE_EVERY.name, "2")
+    assert not never.due(1, 0.0)
+    assert never.due(2, 0.0)
+    assert hourly.due(2, 0.0)
+    monkeypatch.setenv(knobs.SAVE_EVERY.name, "0")
+    with pytest.raises(nbresume.errors.UsageError, match="NBRESUME_SAVE_EVERY='0'"):
+        never.due(1, 0.0)
