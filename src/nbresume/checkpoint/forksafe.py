@@ -1,0 +1,65 @@
+"""Locks that a forked child finds free.
+
+``fork()`` copies the whole memory of a process but only the thread that called it. A lock
+that another thread held at that moment (a background save reporting an event, the lease
+heartbeat renewing the lease, a worker pool taking a job) stays held in the child for good,
+and the first call there that takes it never returns. nbresume's threads do run while a
+process forks: the lease heartbeat lives as long as the Checkpointer, and DataLoader workers
+(fork is the default start method on Linux before Python 3.14) start at every epoch, while a
+save of the previous one may still be in flight. The child may then call nbresume: the
+user's dataset, the user's own multiprocessing, the exit hooks of a child that ends normally.
+
+Every lock, condition and event of nbresume's threads is made here and is made new, free, in
+a forked child, as CPython does for its own (``_at_fork_reinit``). What a lock guarded stays
+as the fork found it; the objects that track work of the parent's threads (a worker pool,
+the removals in flight, the leases held) also forget that work in the child.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+#: Every lock, condition and event made here that is still alive.
+_MADE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def lock() -> threading.Lock:
+    """A ``threading.Lock`` that is free again in a forked child."""
+    return _kept(threading.Lock())
+
+
+def rlock() -> threading.RLock:
+    """A ``threading.RLock`` that is free again in a forked child."""
+    return _kept(threading.RLock())
+
+
+def condition(lock: Any = None) -> threading.Condition:
+    """A ``threading.Condition`` (on ``lock``, a new ``RLock`` by default) that is free
+    again, without waiters, in a forked child."""
+    return _kept(threading.Condition(lock))
+
+
+def event() -> threading.Event:
+    """A ``threading.Event`` whose lock is free again in a forked child (set or not, as at
+    the fork)."""
+    return _kept(threading.Event())
+
+
+def _kept(primitive: _T) -> _T:
+    _MADE.add(primitive)
+    return primitive
+
+
+def _after_fork_in_child() -> None:
+    # Only the forking thread runs here: nothing else can take these locks meanwhile.
+    for primitive in list(_MADE):
+        primitive._at_fork_reinit()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
