@@ -32,7 +32,15 @@ from types import FrameType
 from typing import Any
 
 from nbresume import knobs
-from nbresume.checkpoint import determinism, gradients, health, hooks, restoring, stops
+from nbresume.checkpoint import (
+    determinism,
+    gradients,
+    health,
+    hooks,
+    param_groups,
+    restoring,
+    stops,
+)
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
 from nbresume.checkpoint.cadence import Cadence
@@ -152,6 +160,8 @@ class Checkpointer(EpochLoopMixin):
         self._objects: dict[str, Any] = {}
         #: Which registered optimizers stepped in the running step (pending gradients).
         self._step_watch = gradients.StepWatch()
+        #: The parameter groups each optimizer had when registered, by id.
+        self._initial_groups: dict[int, int] = {}
         self._trainable_only = trainable_only
         self._values: dict[str, Any] = {}
         for name, value in state.items():
@@ -193,6 +203,7 @@ class Checkpointer(EpochLoopMixin):
             value = GeneratorState(value)  # restored into the same object
         if gradients.is_optimizer(value):
             self._step_watch.watch(value)
+            self._initial_groups.setdefault(id(value), len(value.param_groups))
         if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
             self._objects[name] = value
             if isinstance(value, ResumableLoader):
@@ -385,6 +396,7 @@ class Checkpointer(EpochLoopMixin):
             sharded=sharded,
             ended_early=self._ended_early if self.done else None,
             gradients=self._pending_gradients(one_process=ranks is None and not sharded),
+            added_groups=param_groups.added(self._objects, self._initial_groups),
         )
         if copy:
             self._saver.mirror(snapshot)
@@ -488,6 +500,7 @@ class Checkpointer(EpochLoopMixin):
             return self._step_boundary(final=final)
         finally:
             self._step_watch.boundary()  # the next step starts with no optimizer stepped
+            param_groups.release()
 
     def _step_boundary(self, *, final: bool) -> bool:
         self.events.emit(ev.STEP, self.step, total=self.total, epoch=self.epoch)

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from nbresume.checkpoint import param_groups
 from nbresume.checkpoint.snapshot import STATE_FILE
 from nbresume.checkpoint.state import (
     SavedState,
@@ -38,11 +39,21 @@ from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeErr
 class RestorePlan:
     """A checkpoint checked against the live objects, ready to be put into them."""
 
-    def __init__(self, where: str, saved: SavedState, rng: Any, missing: list[str]) -> None:
+    def __init__(
+        self,
+        where: str,
+        saved: SavedState,
+        rng: Any,
+        missing: list[str],
+        grown: list[param_groups.Grown] | None = None,
+    ) -> None:
         self.where = where
         self.saved = saved
         self.rng = rng
         self.missing = missing
+        #: Optimizers given back the parameter groups they gained in training (undone if the
+        #: plan is not applied in full).
+        self.grown = grown or []
 
 
 def plan(
@@ -61,6 +72,24 @@ def plan(
             )
         saved = decode_state(document, loaded.tensors, where=where)
     rng = rank_rng(saved, rank=rank, world_size=world_size, where=loaded.location)
+    # Groups an optimizer gained in training go back in first, so that it can be compared.
+    grown = param_groups.grow(saved.added_groups, saved.objects, objects)
+    try:
+        return _checked_plan(loaded, saved, rng, objects, where=where, grown=grown)
+    except BaseException:
+        param_groups.shrink(grown)
+        raise
+
+
+def _checked_plan(
+    loaded: LoadedCheckpoint,
+    saved: SavedState,
+    rng: Any,
+    objects: Mapping[str, Any],
+    *,
+    where: str,
+    grown: list[param_groups.Grown],
+) -> RestorePlan:
     differences: list[str] = []
     files: list[str] = []  # the tensor files of the objects that differ
     for name, tree in saved.objects.items():
@@ -83,7 +112,7 @@ def plan(
             differences=differences,
         )
     missing = sorted(objects.keys() - saved.objects.keys() - set(saved.sharded))
-    return RestorePlan(loaded.location, saved, rng, missing)
+    return RestorePlan(loaded.location, saved, rng, missing, grown)
 
 
 def apply(checked: RestorePlan, objects: Mapping[str, Any], pending: dict[str, Any]) -> None:
@@ -112,6 +141,7 @@ def apply(checked: RestorePlan, objects: Mapping[str, Any], pending: dict[str, A
         for _, obj, before in reversed(undo):
             with contextlib.suppress(Exception):
                 obj.load_state_dict(before)
+        param_groups.shrink(checked.grown)
         restore_rng(rng_before)
         raise
     for name, tree in saved.objects.items():

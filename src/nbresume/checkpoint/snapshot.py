@@ -292,12 +292,14 @@ def capture(
     sharded: Mapping[str, Any] | None = None,
     ended_early: Mapping[str, Any] | None = None,
     gradients: Mapping[str, Mapping[str, Any]] | None = None,
+    added_groups: Mapping[str, Any] | None = None,
 ) -> Snapshot:
     """The snapshot of the live state. ``pending``: restored state of objects not registered
     yet, carried on; ``ranks``: every rank's RNG states (under ``torch.distributed``);
     ``sharded``: objects each rank saves itself, left out here; ``ended_early``: the loop
     (``{"loop": "steps" | "epochs", "bound": N}``) a finished run left by ``break``;
-    ``gradients``: the gradients pending between two optimizer steps, by optimizer."""
+    ``gradients``: the gradients pending between two optimizer steps, by optimizer;
+    ``added_groups``: the parameter groups optimizers gained during training, by name."""
     tensors: dict[str, dict[str, Any]] = {}
     documents: dict[str, Any] = {}
     trees = [(n, o.state_dict()) for n, o in objects.items() if not (sharded and n in sharded)]
@@ -328,6 +330,8 @@ def capture(
     }
     if ended_early is not None:
         state["ended_early"] = dict(ended_early)
+    if added_groups:
+        state["added_groups"] = dict(added_groups)
     if gradients:
         state[GRADIENTS_GROUP], tensors[GRADIENTS_GROUP] = flatten(
             {name: dict(grads) for name, grads in gradients.items()}, name=GRADIENTS_GROUP

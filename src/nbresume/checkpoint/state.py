@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbresume.checkpoint import param_groups
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
 TAG = "$t"
@@ -258,6 +259,8 @@ class SavedState:
     ended_early: dict[str, Any] | None = None
     #: Gradients pending between two optimizer steps: ``{optimizer: {"<g>.<i>": tensor}}``.
     gradients: dict[str, Any] = field(default_factory=dict)
+    #: Parameter groups optimizers gained during training (see checkpoint/param_groups.py).
+    added_groups: dict[str, Any] = field(default_factory=dict)
 
 
 def is_state_document(document: Any) -> bool:
@@ -343,6 +346,9 @@ def decode_state(
     gradients = rebuild(document.get("gradients", {}), "gradients", "gradients")
     if not isinstance(gradients, dict) or not all(isinstance(v, dict) for v in gradients.values()):
         raise bad("'gradients' is not an object of optimizers' gradients")
+    added_groups = document.get("added_groups", {})
+    if not param_groups.check(added_groups):
+        raise bad('\'added_groups\' is not {optimizer: {"from": N, "names": [[...]]}}')
     for index, tree in enumerate([rng, *rank_rng]):
         if not isinstance(tree, dict):
             raise bad(f"the RNG state of rank {index} is not an object")
@@ -360,6 +366,7 @@ def decode_state(
         sharded=sharded,
         ended_early=ended_early,
         gradients=gradients,
+        added_groups=added_groups,
     )
 
 
