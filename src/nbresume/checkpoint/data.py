@@ -19,6 +19,7 @@ Three things make a resumed epoch identical to the original:
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -27,6 +28,8 @@ from typing import Any, Protocol
 
 from nbresume.checkpoint.health import DataWait
 from nbresume.errors import UsageError
+
+log = logging.getLogger("nbresume")
 
 _SAMPLE_CONTEXT: dict[str, int] = {"seed": 0, "epoch": 0}
 
@@ -228,6 +231,31 @@ def _host_streams_seeded(seed: int) -> Iterator[None]:
             numpy.random.set_state(saved[2])
 
 
+def _position_for(batch_size: int | None, state: dict[str, Any]) -> int:
+    """The saved position in batches of this loader's ``batch_size``. A rerun with another
+    batch size (64 where 32 saved the position) continues the epoch at the same sample where
+    that sample starts a batch of the new size; elsewhere it is refused, since the rest of the
+    epoch would repeat or skip samples."""
+    saved, position = state.get("batch_size"), state["position"]
+    if saved is None or batch_size is None or saved == batch_size or position == 0:
+        return int(position)
+    samples = position * saved
+    if samples % batch_size == 0:
+        log.warning(
+            "nbresume: the batch size changed from %d to %d: epoch %d continues at sample %d "
+            "(batch %d of %d samples), exactly where it stopped",
+            saved, batch_size, state["epoch"], samples, samples // batch_size, batch_size,
+        )  # fmt: skip
+        return int(samples // batch_size)
+    raise UsageError(
+        f"the batch size changed from {saved} to {batch_size} in the middle of epoch "
+        f"{state['epoch']}: {samples} samples of it were trained, which is not a whole number "
+        f"of batches of {batch_size}, so the rest of the epoch would repeat or skip samples",
+        fix=f"keep batch_size={saved} until this epoch ends, or choose a batch size that "
+        f"divides {samples}; a new batch size from the start of an epoch needs nothing",
+    )
+
+
 class EpochLoop(Protocol):
     """What a :class:`ResumableLoader` tells the loop of :meth:`Checkpointer.epochs` about
     the batches it hands out (see :mod:`nbresume.checkpoint.checkpointer`)."""
@@ -295,16 +323,18 @@ class ResumableLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | None]:
         return {
             "seed": self.seed,
             "epoch": self.epoch,
             "position": self.position,
             "finished_in": self.finished_in,
+            "batch_size": self.loader.batch_size,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        position = _position_for(self.loader.batch_size, state)
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], position
         self.finished_in = state.get("finished_in", -1)  # absent before loop shapes were tracked
 
     def _epoch_indices(self) -> tuple[list[list[int]] | None, list[int] | None]:
