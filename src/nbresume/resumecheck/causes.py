@@ -145,6 +145,8 @@ def likely_causes(
         verdicts.append(
             Verdict(UNSEEDED, "the loader's seed, taken from torch.initial_seed(), differs")
         )
+    elif any(key == "batch_size" for d in loader for key, _ in d.keys):
+        verdicts.append(Verdict(BATCH_SIZE, "the loader's batch size differs"))
     elif loader and PROGRESS not in kinds:
         verdicts.append(
             Verdict(BATCH_SIZE, "the data position differs though both runs trained as many steps")
