@@ -56,10 +56,12 @@ class Difference:
         return (f"RNG {self.name}" if self.kind == RNG else f"{self.kind} {self.name!r}") + where
 
     def line(self) -> str:
-        """``model 'model': 2 of 4 tensors differ: 0.weight (largest difference 3e-04), ...``"""
+        """``model 'model': 2 of 4 differ: 0.weight (by up to 3e-04), ...``"""
         if self.kind == PROGRESS:
             where = f" in {self.folder}/" if self.folder else ""
             return f"{self.kind}{where}: {self.keys[0][1]}"
+        if len(self.keys) == 1 and not self.keys[0][0]:  # the whole of it: a value, a stream
+            return f"{self.label()}: {self.keys[0][1]}"
         shown = []
         for key, note in self.keys[:SHOWN_KEYS]:
             shown.append(f"{key} ({note})" if note and key else key or note)
