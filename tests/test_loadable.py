@@ -159,6 +159,17 @@ def unknown_tag(folder: Path) -> str:
     return "state.json"
 
 
+def numpy_position(folder: Path) -> str:
+    """NumPy reads a Mersenne Twister's position unchecked: out of range, the first draw after
+    the restore reads outside the state (a segfault at every restart)."""
+
+    def change(document: dict[str, Any]) -> None:
+        document["rng"]["numpy"]["items"][2] = 10**6
+
+    edit_state(folder, change)
+    return "state.json"
+
+
 def future_version(folder: Path) -> str:
     edit_state(folder, lambda document: document.update(version=999))
     return "state.json"
@@ -235,6 +246,7 @@ DAMAGES: dict[str, Callable[[Path], str]] = {
     "values nested 600 deep": deep_values,
     "an unknown tag": unknown_tag,
     "version 999": future_version,
+    "numpy RNG position out of range": numpy_position,
     "tensors of other shapes": other_shapes,
     "a tensor missing": missing_tensor,
     "manifest is a FIFO": manifest_fifo,

@@ -56,16 +56,17 @@ class GeneratorState:
         elif "numpy" in state:
             inner = state["numpy"].get("state")
             if isinstance(inner, dict) and "pos" in inner:  # MT19937
-                _check_mt19937_position(inner["pos"])
+                check_mt19937_position(inner["pos"])
             generator.bit_generator.state = state["numpy"]
         else:
             legacy = tuple(state["numpy_legacy"])
-            _check_mt19937_position(legacy[2])
+            check_mt19937_position(legacy[2])
             generator.set_state(legacy)
 
 
-def _check_mt19937_position(position: Any) -> None:
-    """NumPy reads a Mersenne Twister's position without checking it: out of range, the next
-    draw reads outside its state (a crash at every restart, not an error)."""
+def check_mt19937_position(position: Any) -> None:
+    """Refuse a Mersenne Twister position outside 0..624. NumPy reads it without checking:
+    out of range, the next draw reads outside its state (a crash at every restart, not an
+    error)."""
     if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position <= 624:
         raise ValueError(f"the Mersenne Twister position {position!r} is not in 0..624")

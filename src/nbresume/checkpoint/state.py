@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbresume.checkpoint import param_groups
+from nbresume.checkpoint.generators import check_mt19937_position
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
 TAG = "$t"
@@ -385,6 +386,8 @@ def check_rng(state: Mapping[str, Any], *, where: str) -> None:
             import numpy as np
 
             numpy_state = tuple(_numpy_stand_in(v) for v in state["numpy"])
+            if len(numpy_state) > 2:
+                check_mt19937_position(numpy_state[2])  # NumPy itself does not check it
             np.random.RandomState().set_state(numpy_state)
         if "torch" in state:
             torch_state = state["torch"]
