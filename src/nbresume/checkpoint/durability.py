@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint import forksafe
 
 if TYPE_CHECKING:
     from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
@@ -62,8 +63,8 @@ class DurabilityWatcher:
         self.store = store
         self.events = events
         self._pending: dict[int, tuple[CheckpointInfo, str, float]] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._lock = forksafe.lock()
+        self._wake = forksafe.event()
         self._closed = False
         self._thread: threading.Thread | None = None
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from nbresume import knobs
-from nbresume.checkpoint import tensorfile
+from nbresume.checkpoint import forksafe, tensorfile
 from nbresume.checkpoint.format import HASH_ALGORITHM, HASH_DIGITS, FileEntry
 from nbresume.checkpoint.storage import READ_CHUNK, Store, read_into
 from nbresume.checkpoint.workers import Workers
@@ -327,7 +327,7 @@ class HashThread:
         self._hash = hasher
         self._queue: queue.SimpleQueue[Buffer | None] = queue.SimpleQueue()
         self._hashed = 0
-        self._changed = threading.Condition()
+        self._changed = forksafe.condition()
         self._cancelled = False
         self._error: BaseException | None = None
         self._thread = _start_thread(self._run, "nbresume-hash") if threaded else None
@@ -440,7 +440,7 @@ class DurableCloser:
         self._threaded = threaded
         self._error: BaseException | None = None
         self._in_flight = 0
-        self._changed = threading.Condition()
+        self._changed = forksafe.condition()
 
     def close(self, handle: IO[bytes]) -> None:
         if self._threaded:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import re
 import sys
-import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from nbresume.checkpoint import forksafe
 
 T = TypeVar("T")
 
@@ -133,7 +134,7 @@ def advise_oom(exc: BaseException, ckpt: Any | None = None) -> bool:
 
 
 _state: dict[str, Any] = {"ckpt": None, "installed": False}
-_lock = threading.Lock()
+_lock = forksafe.lock()
 
 
 def _last_loop() -> Any | None:
@@ -226,7 +227,7 @@ class DataWait:
 
     def __init__(self, window: int = WINDOW) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
-        self._lock = threading.Lock()
+        self._lock = forksafe.lock()
         self.num_workers: int | None = None
         self.pin_memory: bool | None = None
 

@@ -44,7 +44,8 @@ or deletes anything, so a process that was suspended past the expiry and taken o
 :class:`~nbresume.errors.LeaseLostError` at its next save instead of writing. A Checkpointer
 created again in the same process (a notebook cell run again) takes the lease over from the
 older one, which then raises if it ever saves again. The lease is given back by ``close()``,
-at the end of a ``with`` block and at interpreter exit.
+at the end of a ``with`` block and at interpreter exit. A forked child holds none of its
+parent's leases: its exit gives none back, and a save there is refused while the parent runs.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import secrets
 import sys
 import threading
@@ -59,6 +61,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.lease_holder import (
     LEASE_EXPIRY_S,
     Holder,
@@ -85,7 +88,7 @@ _HELD, _RELEASED, _LOST = "held", "released", "lost"
 
 #: Leases held by this process, by token: a newer lease on the same folder supersedes them.
 _REGISTRY: dict[str, WriterLease] = {}
-_REGISTRY_LOCK = threading.Lock()
+_REGISTRY_LOCK = forksafe.lock()
 
 
 class WriterLease:
@@ -111,8 +114,8 @@ class WriterLease:
         self._lost = ""
         self._lost_fix = ""
         self._lost_holder: Holder | None = None
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
+        self._lock = forksafe.rlock()
+        self._stop = forksafe.event()
         self._thread: threading.Thread | None = None
 
     @property
@@ -143,7 +146,7 @@ class WriterLease:
             self.store.writer_check = self.check
             with _REGISTRY_LOCK:
                 _REGISTRY[self.token] = self
-            self._stop = threading.Event()
+            self._stop = forksafe.event()
             self._thread = threading.Thread(
                 target=self._beat, args=(self._stop,), name="nbresume-lease", daemon=True
             )
@@ -492,3 +495,17 @@ def _release_all() -> None:
 
 
 atexit.register(_release_all)
+
+
+def _forget_in_child() -> None:
+    """In a forked child, which holds none of its parent's leases (the lease files name the
+    parent). Its exit must not give them back, which would remove the lease file the parent
+    still writes under; a save there takes the lease as a new writer would, and is refused
+    while the parent runs."""
+    for lease in _REGISTRY.values():
+        lease._state = _RELEASED
+    _REGISTRY.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

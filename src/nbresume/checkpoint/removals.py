@@ -25,9 +25,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 from collections.abc import Callable
 
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.workers import Workers
 
 log = logging.getLogger("nbresume")
@@ -37,7 +37,7 @@ class Removals:
     """Removals started by this process and not yet finished."""
 
     def __init__(self) -> None:
-        self._changed = threading.Condition()
+        self._changed = forksafe.condition()
         self._pending = 0
         self._exiting = False
         # One thread: removals of one disk go no faster side by side, and each is waited for.
@@ -47,7 +47,6 @@ class Removals:
 
     def _forget(self) -> None:
         """In a forked child: the parent's removals are not this process's to wait for."""
-        self._changed = threading.Condition()
         self._pending = 0
 
     def start(self, remove: Callable[[], None]) -> None:

@@ -13,6 +13,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+from nbresume.checkpoint import forksafe
+
 
 class Workers:
     """``count`` daemon threads named ``name``, started at the first job of a process."""
@@ -20,16 +22,9 @@ class Workers:
     def __init__(self, name: str, count: int) -> None:
         self.name = name
         self.count = count
-        self._lock = threading.Lock()
-        self._pid = 0
+        self._lock = forksafe.lock()
+        self._pid = 0  # the process whose threads these are: a forked child starts its own
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._forget)
-
-    def _forget(self) -> None:
-        """In a forked child: the threads do not exist there (and the lock may be held)."""
-        self._lock = threading.Lock()
-        self._pid = 0
 
     def submit(self, job: Callable[[], None]) -> bool:
         """Run ``job`` in a worker (it must catch its own errors); ``False`` where no worker

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import Any
 
 from IPython.display import display
 
+from nbresume.checkpoint import forksafe
 from nbresume.notebook import magics, status_line
 from nbresume.notebook._pump import CommPump
 from nbresume.notebook.progress import Tracker, tracker
@@ -29,7 +29,7 @@ class ExtensionState:
         self.pump: CommPump | None = None
         self.displayed = 0  # how many views of the panel were displayed
         self._shells: list[Any] = []
-        self._lock = threading.RLock()
+        self._lock = forksafe.rlock()
 
     def register(self, shell: Any) -> bool:
         """Magics and cell hooks for ``shell``; ``False`` when it already had them."""
@@ -119,7 +119,7 @@ class ExtensionState:
 
 
 _STATE: ExtensionState | None = None
-_STATE_LOCK = threading.Lock()
+_STATE_LOCK = forksafe.lock()
 
 
 def state() -> ExtensionState:

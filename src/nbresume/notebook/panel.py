@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint import forksafe
 from nbresume.notebook.progress import (
     FAILED,
     FOUND,
@@ -142,17 +143,17 @@ class Panel:
         self.stop_button.add_class("nbresume-stop")
         self.save_button.on_click(self._on_save)
         self.stop_button.on_click(self._on_stop)
-        self._lock = threading.Lock()
+        self._lock = forksafe.lock()
         #: {step: metrics} of the checkpoints of the folder shown, for the plot.
         self._metrics: dict[int, dict[str, float]] = {}
         self._metrics_folder = ""
-        self._metrics_lock = threading.Lock()  # the writer thread adds, render reads
+        self._metrics_lock = forksafe.lock()  # the writer thread adds, render reads
         self._clocks: tuple[float, list[ClockLine]] | None = None
         #: The storage's last answer, and the background question's bookkeeping.
         self.safety: Safety | None = None
         self._asking = False
         self._ask_again = False
-        self._ask_lock = threading.Lock()
+        self._ask_lock = forksafe.lock()
         self._throttle = Throttle(interval, self.render)
         self.renders = 0
         self.render()

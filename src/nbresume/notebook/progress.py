@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.units import format_duration
 
 if TYPE_CHECKING:
@@ -251,7 +252,7 @@ class Throttle:
         self.fire = fire
         self._last = 0.0
         self._timer: threading.Timer | None = None
-        self._lock = threading.Lock()
+        self._lock = forksafe.lock()
 
     def poke(self, *, urgent: bool = False) -> None:
         with self._lock:
@@ -294,7 +295,7 @@ class Tracker:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._lock = threading.RLock()
+        self._lock = forksafe.rlock()
         self._views: list[View] = []
         self._step_hooks: list[Callable[[], None]] = []
         self._unwatch: Callable[[], None] | None = None
@@ -788,7 +789,7 @@ def _parse_time(text: str) -> float | None:
 
 
 _TRACKER: Tracker | None = None
-_TRACKER_LOCK = threading.Lock()
+_TRACKER_LOCK = forksafe.lock()
 
 
 def tracker() -> Tracker:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nbresume import knobs
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.units import format_bytes, format_duration
 from nbresume.errors import CorruptCheckpointError, UsageError
 
@@ -448,7 +449,7 @@ class SetupPanel:
         self.report = report
         self.run = run
         self.platform = run.platform if run is not None else platform or by_name(report.platform)
-        self._lock = threading.Lock()
+        self._lock = forksafe.lock()
         self._inputs: list[InputCheckpoint] = []
         self.title = widgets.HTML()
         self.checks = widgets.HTML()
@@ -636,7 +637,7 @@ def _choice_html(step: int | None, text: str) -> str:
 # -- one panel per process ---------------------------------------------------------------------
 
 _PANEL: SetupPanel | None = None
-_PANEL_LOCK = threading.Lock()
+_PANEL_LOCK = forksafe.lock()
 
 
 def show(report: Report | None = None, run: Run | None = None) -> SetupPanel | None:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import threading
 import time
 from typing import Any, TextIO
 
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.health import DataWaitShare
 from nbresume.notebook.progress import (
     FAILED,
@@ -57,7 +57,7 @@ class StatusLine:
         self.tty = tty
         if interval is None:
             interval = TTY_INTERVAL_S if tty else LOG_INTERVAL_S
-        self._lock = threading.Lock()
+        self._lock = forksafe.lock()
         self._width = 0  # length of the live line now on screen
         self._throttle = Throttle(interval, self._progress)
         self._said: dict[int, str] = {}  # the state last logged for each step

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from nbresume.checkpoint import forksafe
+
 Status = Literal["ok", "warn", "fail"]
 
 #: Seconds ``nvidia-smi -q -x`` (and ``dmesg``) may take before the report goes on without it.
@@ -383,7 +385,7 @@ class GpuQueryRun:
 
         self.timeout = timeout
         self._result: GpuQuery | None = None
-        self._lock = threading.Lock()
+        self._lock = forksafe.lock()
         self._cancelled = False
         self._procs: list[subprocess.Popen[str]] = []
         self._thread = threading.Thread(target=self._query, daemon=True)

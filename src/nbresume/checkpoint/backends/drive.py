@@ -21,12 +21,12 @@ import contextlib
 import hashlib
 import logging
 import os
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nbresume import knobs
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.backends.base import REPLACED_PREFIX
 from nbresume.checkpoint.backends.local import LocalStore
 from nbresume.checkpoint.durability import FAILED, MISSING, SAVED, SYNCING, Durability
@@ -47,11 +47,11 @@ class DriveApi:
     permanently, read the quota. Thread-safe (the client itself is not)."""
 
     _shared: DriveApi | None = None
-    _shared_lock = threading.Lock()
+    _shared_lock = forksafe.lock()
 
     def __init__(self, service: Any) -> None:
         self.service = service
-        self._lock = threading.Lock()
+        self._lock = forksafe.lock()
 
     @classmethod
     def connect(cls) -> DriveApi:
