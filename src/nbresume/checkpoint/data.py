@@ -92,10 +92,17 @@ class _WorkerInit:
     alone decides: it saves at the next step boundary, stops, and shuts its workers down.
     That shutdown itself may end a worker with SIGTERM (``Process.terminate()``, at exit), so
     SIGTERM from the trainer still ends the worker at once, as PyTorch's own handler does.
+
+    Made in the trainer and pickled into each worker under the spawn and forkserver start
+    methods; under forkserver the worker's parent is the fork server, so the trainer is known
+    by the process id taken here.
     """
 
     def __init__(self, user: Callable[[int], None] | None) -> None:
+        import os
+
         self.user = user
+        self.trainer = os.getpid()
 
     def __call__(self, worker_id: int) -> None:
         import signal
@@ -108,20 +115,23 @@ class _WorkerInit:
             # Blocked here and in every thread started from here; one thread takes it.
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             threading.Thread(
-                target=_end_on_sigterm_from_parent, name="nbresume-sigterm", daemon=True
+                target=_end_on_sigterm_from_trainer,
+                args=(self.trainer,),
+                name="nbresume-sigterm",
+                daemon=True,
             ).start()
         if self.user is not None:
             self.user(worker_id)
 
 
-def _end_on_sigterm_from_parent() -> None:
+def _end_on_sigterm_from_trainer(trainer: int) -> None:
     import os
     import signal
 
-    parent = os.getppid()
+    parent = os.getppid()  # the trainer, or the fork server that forked this worker
     while True:
         sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
-        if sender == parent or os.getppid() != parent:
+        if sender in (trainer, parent) or os.getppid() != parent:
             os._exit(0)
 
 

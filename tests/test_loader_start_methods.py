@@ -1,0 +1,206 @@
+"""A wrapped loader whose workers start as new interpreters resumes exactly.
+
+Python 3.14 starts processes with forkserver by default on Linux, Windows and macOS with
+spawn. Their workers get the wrapper's dataset and ``worker_init_fn`` pickled, and import the
+user's dataset class again. ``train_loader_workers.py`` trains through ``ck.loader(dl)`` with
+``num_workers=2`` under each start method, augmenting every sample from the global RNGs; a
+run is killed with SIGKILL mid-epoch and restarted until done, and its final weights and
+optimizer state must be bit-identical to an uninterrupted run. The uninterrupted run forks its
+workers: what a sample's randomness is does not depend on how its worker started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from nbresume.checkpoint.store import CheckpointStore
+
+SCRIPT = Path(__file__).with_name("train_loader_workers.py")
+_spec = importlib.util.spec_from_file_location("train_loader_workers", SCRIPT)
+assert _spec is not None
+assert _spec.loader is not None
+script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"),
+    reason="the runs are forked from a zygote and cleaned up through /proc",
+)
+
+START_METHODS = [
+    pytest.param("spawn"),
+    pytest.param(
+        "forkserver",
+        marks=pytest.mark.skipif(
+            "forkserver" not in multiprocessing.get_all_start_methods(),
+            reason="this platform has no forkserver start method",
+        ),
+    ),
+]
+
+#: One math thread per process: two cores are shared by the test, its trainer and the workers.
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+TOTAL = script.EPOCHS * script.BATCHES
+#: Killed once it reported this step: after the checkpoints of steps 3 and 6, mid-epoch.
+KILL_AT = 2 * script.EVERY + 1
+
+
+def lines(text: str, kind: str) -> list[int]:
+    return [int(line.split()[1]) for line in text.splitlines() if line.startswith(kind + " ")]
+
+
+def process_group(pgid: int) -> dict[int, str]:
+    """The live processes of process group ``pgid``: {pid: command line}."""
+    members: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members[int(entry.name)] = command
+    return members
+
+
+def end_group(pgid: int) -> None:
+    """End what a trainer leaves behind. Under forkserver, workers whose trainer was killed
+    never end: PyTorch's workers watch their parent, the fork server, and the fork server
+    waits for its children. The resource tracker is left to remove the semaphores they
+    leave; it ends once they are gone."""
+    for pid, command in process_group(pgid).items():
+        if "resource_tracker" not in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while process_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in process_group(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class Zygote:
+    """``train_loader_workers.py serve``: one training process per run, torch imported once;
+    a kill is a real SIGKILL of the trainer."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=CHILD_ENV,
+        )
+        self.runs = 0
+
+    def run(
+        self, folder: Path, start_method: str, *, kill_at: int | None = None
+    ) -> tuple[int, str]:
+        """Train in ``folder``; with ``kill_at``, SIGKILL the trainer once it has reported
+        that step. Returns (exit status, what the trainer and its workers printed)."""
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.runs += 1
+        log = self.workdir / f"run-{self.runs}.log"
+        command = {
+            "folder": str(folder),
+            "start_method": start_method,
+            "log": str(log),
+            "out": str(self.workdir / f"final-{self.runs}.pt"),
+            "pause": 0.0 if kill_at is None else 0.05,
+        }
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        pid = int(self.proc.stdout.readline().split()[1])
+        try:
+            if kill_at is not None:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    text = log.read_text() if log.exists() else ""
+                    steps = lines(text, "step")
+                    if (steps and steps[-1] >= kill_at) or "done " in text or "error " in text:
+                        os.kill(pid, signal.SIGKILL)
+                        break
+                    time.sleep(0.001)
+            _, reported_pid, status = self.proc.stdout.readline().split()
+            assert int(reported_pid) == pid
+        finally:
+            end_group(pid)  # the trainer's group: its pid (train_loader_workers._child)
+        return int(status), log.read_text()
+
+    def final(self) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = torch.load(
+            self.workdir / f"final-{self.runs}.pt", weights_only=True
+        )
+        return tensors
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    server = Zygote(tmp_path_factory.mktemp("zygote"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def reference(zygote: Zygote, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run, its workers forked."""
+    status, text = zygote.run(tmp_path_factory.mktemp("reference") / "run", "fork")
+    assert status == 0, text
+    assert lines(text, "done") == [TOTAL], text
+    # One pass per epoch, two workers per pass, each forked from the trainer.
+    assert text.count("worker fresh=False parent=trainer") == 2 * script.EPOCHS, text
+    return zygote.final()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_a_run_killed_mid_epoch_resumes_bit_identically(
+    tmp_path: Path, start_method: str, zygote: Zygote, reference: dict[str, torch.Tensor]
+) -> None:
+    folder = tmp_path / "run"
+    status, text = zygote.run(folder, start_method, kill_at=KILL_AT)
+    assert status == -signal.SIGKILL, text
+    assert lines(text, "start") == [0], text
+    assert "error " not in text, text
+    # The workers are new interpreters that imported the dataset's module again; a forkserver
+    # worker's parent is the fork server. Its worker_init_fn ran there, after nbresume's own.
+    parent = "trainer" if start_method == "spawn" else "other"
+    workers = [line for line in text.splitlines() if line.startswith("worker ")]
+    assert workers == [f"worker fresh=True parent={parent}"] * len(workers), text
+    assert workers, text
+    report = CheckpointStore(folder, keep=None).verify()
+    assert report.ok, f"{text}\n{report.summary}"
+    committed = max(r.step for r in report.results)
+    assert 0 < committed < script.BATCHES, f"not killed mid-epoch: {committed}\n{text}"
+
+    status, text = zygote.run(folder, start_method)
+    assert status == 0, text
+    assert lines(text, "start") == [committed], text
+    assert lines(text, "done") == [TOTAL], text
+    final = zygote.final()
+    assert final.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(final[key], value), f"{start_method}: {key} differs after the kill"

@@ -1,0 +1,148 @@
+"""A tiny training run whose DataLoader loads in two worker processes, started by the start
+method a command names (fork, spawn or forkserver).
+
+The dataset augments every sample from the three global RNGs (torch, random, NumPy) and the
+model has dropout, so a resume is exact only if every sample's randomness and the training
+loop's own stream continue exactly. ``train(folder, start_method)`` trains one epoch of
+:data:`BATCHES` batches, saving every :data:`EVERY` steps, resuming from ``folder``. One
+epoch: every pass over the data starts its workers again, which under spawn costs each of
+them torch's import.
+
+Under spawn and forkserver a worker is a new interpreter: it unpickles the dataset and the
+``worker_init_fn``, so both are defined at the top of this module, which the worker imports
+again (as ``__mp_main__``) when this file is the program being run.
+
+Run as ``python train_loader_workers.py serve`` it is a zygote, as ``train_loop_shapes.py``
+is: torch imported once, one JSON command per line on stdin, each run in a forked child (in a
+process group of its own) whose output goes to a log file: ``start S``, ``worker fresh=F
+parent=P`` from each worker, ``step N``, ``done N``. It answers ``pid P`` when the child
+starts and ``exit P STATUS`` when it ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import nbresume
+
+EVERY = 3
+BATCHES = 10  # per epoch
+EPOCHS = 1
+BATCH_SIZE = 4
+
+
+def say(line: str) -> None:
+    """One whole line per write: workers and the background save thread write too."""
+    os.write(1, (line + "\n").encode())
+
+
+class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Fixed points with noise drawn from torch, random and NumPy at every load."""
+
+    def __init__(self, count: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(count, 4, generator=generator)
+        self.y = torch.randn(count, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = 0.1 * torch.rand(4) + 0.1 * random.random() + 0.1 * float(numpy.random.rand())
+        return self.x[index] + noise, self.y[index]
+
+
+def announce(worker_id: int) -> None:
+    """The user's ``worker_init_fn``: says whether the worker is a new interpreter (spawn,
+    forkserver) and whether the trainer is its parent (not under forkserver)."""
+    fresh = sys.modules["__main__"].__name__ == "__mp_main__"
+    parent = "trainer" if os.getppid() == int(os.environ["TRAINER_PID"]) else "other"
+    say(f"worker fresh={fresh} parent={parent}")
+
+
+def train(folder: Path, start_method: str, *, pause: float = 0.0) -> dict[str, torch.Tensor]:
+    """Train until done, resuming from ``folder``; the final weights and optimizer state."""
+    os.environ["TRAINER_PID"] = str(os.getpid())
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
+    loader = DataLoader(
+        Augmented(BATCHES * BATCH_SIZE),
+        batch_size=BATCH_SIZE,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context=start_method,
+        worker_init_fn=announce,
+    )
+    ck = nbresume.Checkpointer(
+        folder, every=EVERY, keep=100, deadline=None, model=model, optimizer=optimizer
+    )
+    data = ck.loader(loader)
+    ck.restore()
+    say(f"start {ck.step}")
+    for _epoch in ck.epochs(EPOCHS):
+        for x, y in data:
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            say(f"step {ck.step + 1}")
+            if pause:
+                time.sleep(pause)  # gives the test time to kill mid-epoch
+    ck.close()
+    say(f"done {ck.step}")
+    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for index, values in optimizer.state_dict()["state"].items():
+        for key, value in values.items():
+            tensors[f"optimizer.{index}.{key}"] = value.detach().clone()
+    return tensors
+
+
+def _child(command: dict[str, Any]) -> int:
+    os.setpgid(0, 0)  # the trainer, its workers and the fork server: one group to clean up
+    log = os.open(command["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    try:
+        final = train(Path(command["folder"]), command["start_method"], pause=command["pause"])
+        torch.save(final, command["out"])
+    except BaseException as exc:  # reported in the log, read by the test
+        import traceback
+
+        say("error " + "".join(traceback.format_exception(exc)).replace("\n", " | "))
+        return 1
+    return 0
+
+
+def serve() -> None:
+    # What every run would import on its own, without starting a thread: the children are
+    # forked from here.
+    torch.set_num_threads(1)
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    for line in sys.stdin:
+        command = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_child(command))
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        print(f"exit {pid} {code}", flush=True)
+
+
+if __name__ == "__main__":
+    serve()
