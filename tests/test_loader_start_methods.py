@@ -106,7 +106,8 @@ class Zygote:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=CHILD_ENV,
+            # Killed workers leave multiprocessing's temporary folders behind: here, not in /tmp.
+            env={**CHILD_ENV, "TMPDIR": str(workdir)},
         )
         self.runs = 0
 
