@@ -95,6 +95,12 @@ def end_group(pgid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def leftovers(pgid: int) -> dict[int, str]:
+    """What a trainer left in its process group, but for multiprocessing's resource tracker
+    (it ends by itself once the workers are gone)."""
+    return {p: c for p, c in process_group(pgid).items() if "resource_tracker" not in c}
+
+
 class Zygote:
     """``train_loader_workers.py serve``: one training process per run, torch imported once;
     a kill is a real SIGKILL of the trainer."""
@@ -110,12 +116,15 @@ class Zygote:
             env={**CHILD_ENV, "TMPDIR": str(workdir)},
         )
         self.runs = 0
+        self.survivors: dict[int, str] = {}
 
     def run(
-        self, folder: Path, start_method: str, *, kill_at: int | None = None
+        self, folder: Path, start_method: str, *, kill_at: int | None = None, linger: float = 0
     ) -> tuple[int, str]:
         """Train in ``folder``; with ``kill_at``, SIGKILL the trainer once it has reported
-        that step. Returns (exit status, what the trainer and its workers printed)."""
+        that step. Returns (exit status, what the trainer and its workers printed). With
+        ``linger``, what the trainer left is given that long to end by itself first; what
+        was still there is kept in :attr:`survivors`."""
         assert self.proc.stdin is not None
         assert self.proc.stdout is not None
         self.runs += 1
@@ -143,6 +152,10 @@ class Zygote:
             _, reported_pid, status = self.proc.stdout.readline().split()
             assert int(reported_pid) == pid
         finally:
+            deadline = time.monotonic() + linger
+            while leftovers(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.survivors = leftovers(pid)
             end_group(pid)  # the trainer's group: its pid (train_loader_workers._child)
         return int(status), log.read_text()
 
@@ -205,3 +218,17 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(
     assert final.keys() == reference.keys()
     for key, value in reference.items():
         assert torch.equal(final[key], value), f"{start_method}: {key} differs after the kill"
+
+
+@pytest.mark.slow
+def test_forkserver_workers_end_when_their_trainer_is_killed(
+    tmp_path: Path, zygote: Zygote
+) -> None:
+    """A forkserver worker's parent is the fork server: PyTorch's own watchdog, which watches
+    the parent, never ends it. nbresume's worker thread watches the trainer itself."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("this platform has no forkserver start method")
+    status, text = zygote.run(tmp_path / "run", "forkserver", kill_at=KILL_AT, linger=30)
+    assert status == -signal.SIGKILL, text
+    assert "worker fresh=True parent=other" in text, text
+    assert not zygote.survivors, f"left running after the trainer was killed: {zygote.survivors}"

@@ -129,10 +129,40 @@ def _end_on_sigterm_from_trainer(trainer: int) -> None:
     import signal
 
     parent = os.getppid()  # the trainer, or the fork server that forked this worker
+    # PyTorch's own watchdog ends a worker whose parent is gone. A forkserver worker's parent
+    # is the fork server, which outlives a killed trainer: without this watch, the workers of
+    # a trainer killed by SIGKILL (an OOM kill, a preemption) would stay for good.
+    watch = parent != trainer and hasattr(signal, "sigtimedwait")
     while True:
-        sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
-        if sender in (trainer, parent) or os.getppid() != parent:
+        if watch:
+            info = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+            if info is None:
+                if not _alive(trainer):
+                    os._exit(0)
+                continue
+        else:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid in (trainer, parent) or os.getppid() != parent:
             os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 #: The samplers of torch whose draws all come from their ``generator`` attribute (``None``:
