@@ -12,11 +12,11 @@
   checkpoint and are put back before the training loader makes its first iterator, so dropout
   and the next epoch's shuffle continue as in an uninterrupted run (Lightning saves none of
   them). A resume from a checkpoint saved at an epoch's end is then exact.
-- **ModelCheckpoint's folders.** When a run resumes, ``.ckpt`` folders that this same run
-  wrote but that the resumed ``ModelCheckpoint`` state does not know are removed: those
-  written after the resumed step (the run replays those steps and saves them again), and
-  those whose removal a kill interrupted. They would otherwise stay forever beside the
-  ``save_top_k`` best, and their names would push the new ones to ``-v1``.
+- **ModelCheckpoint's folders.** A folder copied or moved as a whole (a new session's copy)
+  resumes in place: the paths ``ModelCheckpoint`` recorded follow it, where Lightning would
+  drop its state and save ``last-v1.ckpt``. When a run resumes, nbresume removes only what
+  Lightning's own retention removes (:func:`stale_reason`): never a checkpoint that
+  ``save_top_k=-1`` keeps, nor one the resumed state keeps, nor another run's.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from nbresume.checkpoint.state import capture_rng, restore_rng
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.frameworks.layout import committed
-from nbresume.lightning.checkpoint_io import CheckpointIO, ckpt_folders, read_document
+from nbresume.lightning.checkpoint_io import CheckpointIO, read_document
 
 log = logging.getLogger("nbresume")
 
@@ -43,6 +43,8 @@ log = logging.getLogger("nbresume")
 REMOVALS_WAIT_S = 120.0
 #: The key of nbresume's own state (the run's identity, the RNG states) in the checkpoint.
 STATE_KEY = "nbresume"
+#: How the name of a ``ModelCheckpoint``'s last checkpoint begins.
+LAST = ModelCheckpoint.CHECKPOINT_NAME_LAST
 
 
 class Callback(pl.Callback):
@@ -80,6 +82,8 @@ class Callback(pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        if trainer.ckpt_path:
+            follow_move(trainer, checkpoint)  # before ModelCheckpoint loads its state
         state = checkpoint.get(STATE_KEY)
         if isinstance(state, dict):
             self.run_id = str(state.get("run", self.run_id))
@@ -103,7 +107,7 @@ class Callback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resumed, self._resumed_step = self._resumed_step, None
         if resumed is not None and trainer.ckpt_path and trainer.is_global_zero:
-            self._drop_unknown(trainer, resumed)
+            self._drop_stale(trainer, resumed)
         self._rng = None
         self._stopped = ""
         # Every rank of a DDP job watches (its signals, its deadline) and saves with the others
@@ -197,39 +201,167 @@ class Callback(pl.Callback):
 
     # -- ModelCheckpoint's folders ---------------------------------------------------------
 
-    def _drop_unknown(self, trainer: pl.Trainer, step: int) -> None:
-        """Remove the ``.ckpt`` folders this run wrote that the resumed state does not know."""
+    def _drop_stale(self, trainer: pl.Trainer, step: int) -> None:
+        """Remove the ``.ckpt`` folders this run wrote that Lightning's own retention removes
+        (:func:`stale_reason`); ``step`` is the resumed one."""
         io = trainer.strategy.checkpoint_io
-        if not isinstance(io, CheckpointIO):
+        if not isinstance(io, CheckpointIO) or not trainer.ckpt_path:
             return
-        resumed = _resolved(trainer.ckpt_path) if trainer.ckpt_path else None
-        known: set[Path] = set()
-        folders: set[Path] = set()
-        for callback in trainer.checkpoint_callbacks:
-            if not isinstance(callback, ModelCheckpoint) or not callback.dirpath:
-                continue
-            if "://" in os.fspath(callback.dirpath):
-                continue
-            folders.add(Path(os.fspath(callback.dirpath)))
+        resumed = _resolved(trainer.ckpt_path)
+        callbacks = [
+            c
+            for c in trainer.checkpoint_callbacks
+            if isinstance(c, ModelCheckpoint) and c.dirpath and "://" not in os.fspath(c.dirpath)
+        ]
+        known = {resumed}
+        lasts: set[Path] = set()
+        for callback in callbacks:
             names = [*callback.best_k_models, callback.best_model_path, callback.last_model_path]
             known.update(_resolved(name) for name in names if name)
-        for folder in folders:
-            for path in ckpt_folders(folder):
-                if _resolved(path) in known or _resolved(path) == resumed:
+            if callback.last_model_path:
+                lasts.add(_resolved(callback.last_model_path))
+        # Resumed from the run's last checkpoint (a rerun after a kill), rather than from an
+        # older one the user chose.
+        from_last = resumed in lasts or resumed.name.startswith(LAST)
+        for folder in {_resolved(c.dirpath) for c in callbacks}:
+            steps: dict[Path, int] = {}
+            for (found, _, _), path, _ in committed(folder):
+                steps[path] = max(found, steps.get(path, found))
+            for path, found in steps.items():
+                if _resolved(path) in known:
                     continue
                 document = read_document(path)
                 state = _get(document, "checkpoint", STATE_KEY)
                 if not isinstance(state, dict) or state.get("run") != self.run_id:
                     continue  # not this run's: never touched
-                found = max(s for (s, _, _), p, _ in committed(folder) if p == path)
-                log.warning(
-                    "nbresume: removing %s (step %d): this run wrote it, and the state it "
-                    "resumed from (step %d) does not know it",
+                reason = stale_reason(
+                    _get(document, "checkpoint", "callbacks"),
                     path,
-                    found,
-                    step,
+                    callbacks,
+                    found=found,
+                    resumed=step,
+                    from_last=from_last,
                 )
-                io.remove_checkpoint(path)
+                if reason:
+                    log.warning("nbresume: removing %s (step %d): %s", path, found, reason)
+                    io.remove_checkpoint(path)
+
+
+def stale_reason(
+    states: Any,
+    path: Path,
+    callbacks: list[ModelCheckpoint],
+    *,
+    found: int,
+    resumed: int,
+    from_last: bool,
+) -> str:
+    """Why Lightning's own retention removes the ``.ckpt`` folder ``path`` (of step ``found``,
+    written by this run, unknown to the state resumed at step ``resumed``), or ``""``: keep it.
+
+    ``states`` are the ``ModelCheckpoint`` states saved in ``path`` itself: the one that
+    names ``path`` wrote it. Removed are only the checkpoints of a ``ModelCheckpoint`` (still
+    configured alike) that keeps a number of them: its ``save_top_k`` ones when ``save_top_k``
+    is 1 or more, its ``last``. Of those, one older than the resumed step was dropped by that
+    retention before the state resumed was saved (a kill or Google Drive cut its removal
+    short); one newer was written by the run a rerun from its last checkpoint replays, and the
+    replay saves that step again (the leftover would stay beside the ``save_top_k`` best, and
+    push the replay's name to ``-v1``). Everything else stays: what ``save_top_k=-1`` keeps,
+    what a callback no longer configured so wrote, the newer checkpoints of a run resumed from
+    an older one on purpose (as Lightning keeps them).
+    """
+    if not isinstance(states, dict):
+        return ""
+    for key, state in states.items():
+        if not isinstance(state, dict) or "dirpath" not in state:
+            continue
+        role = _role(state, path.name)
+        owner = next((c for c in callbacks if c.state_key == key), None)
+        if not role or owner is None or _resolved(owner.dirpath) != _resolved(path.parent):
+            continue
+        if role == "last" and not owner.save_last:
+            continue
+        if role == "top_k" and owner.save_top_k < 1:
+            continue  # save_top_k=-1 keeps every checkpoint (0: none was to be written)
+        kept = "its last checkpoint" if role == "last" else f"save_top_k={owner.save_top_k}"
+        if found <= resumed:
+            return (
+                f"ModelCheckpoint ({kept}) had dropped it before the step resumed ({resumed}); "
+                "its removal was cut short"
+            )
+        if from_last:
+            return (
+                f"ModelCheckpoint ({kept}) wrote it after the step resumed ({resumed}), in the "
+                "run this one replays: the replay saves that step again"
+            )
+    return ""
+
+
+def _role(state: dict[str, Any], name: str) -> str:
+    """How a ``ModelCheckpoint``'s ``state`` names the checkpoint ``name``: ``"last"``,
+    ``"top_k"`` or ``""``."""
+    last = state.get("last_model_path")
+    if isinstance(last, str) and os.path.basename(last) == name:
+        return "last"
+    best = state.get("best_k_models")
+    paths = [*best] if isinstance(best, dict) else []
+    paths.append(state.get("best_model_path"))
+    if any(isinstance(p, str) and os.path.basename(p) == name for p in paths):
+        return "top_k"
+    return ""
+
+
+def follow_move(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Point the ``ModelCheckpoint`` states of ``checkpoint`` at the folder it is resumed from
+    when that folder was copied or moved as a whole.
+
+    Lightning records absolute paths; given a state saved under another ``dirpath``, it keeps
+    only ``best_model_path`` (the old path), so that ``last.ckpt`` is saved again as
+    ``last-v1.ckpt`` and the old best ones are never managed again. A state is moved when the
+    checkpoint resumed lies in its callback's folder now and a state saved in the same old
+    folder names it there: the folder moved with the checkpoint.
+    """
+    where = os.fspath(trainer.ckpt_path or "")
+    states = checkpoint.get("callbacks")
+    if "://" in where or not isinstance(states, dict):
+        return
+    resumed = _resolved(where)
+    here = [
+        c
+        for c in trainer.checkpoint_callbacks
+        if isinstance(c, ModelCheckpoint)
+        and c.dirpath
+        and "://" not in os.fspath(c.dirpath)
+        and _resolved(c.dirpath) == resumed.parent
+    ]
+    moves: dict[str, dict[str, Any]] = {}
+    old_folders: set[str] = set()
+    for callback in here:
+        state = states.get(callback.state_key)
+        old = state.get("dirpath") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or not isinstance(old, str) or old == callback.dirpath:
+            continue
+        moves[callback.state_key] = state
+        if _role(state, resumed.name):
+            old_folders.add(old)
+    for callback in here:
+        state = moves.get(callback.state_key)
+        if state is None or state["dirpath"] not in old_folders:
+            continue
+        old, new = state["dirpath"], os.fspath(callback.dirpath)
+        log.info("nbresume: %s moved to %s; ModelCheckpoint's state follows it", old, new)
+
+        def moved(name: Any, old: str = old, new: str = new) -> Any:
+            if isinstance(name, str) and name and os.path.dirname(name) == old:
+                return os.path.join(new, os.path.basename(name))
+            return name
+
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            if key in state:
+                state[key] = moved(state[key])
+        if isinstance(state.get("best_k_models"), dict):
+            state["best_k_models"] = {moved(k): v for k, v in state["best_k_models"].items()}
+        state["dirpath"] = callback.dirpath
 
 
 def last_path(trainer: pl.Trainer) -> str:
