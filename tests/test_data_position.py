@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 import nbresume
 from nbresume import ResumableLoader
-from nbresume.errors import UsageError
 
 SIZE = 20  # samples; with batches of 3: 7 batches per epoch, the last one short
 
@@ -202,16 +201,6 @@ def test_loading_data_does_not_move_the_training_rngs(kind: str) -> None:
     assert len(take(loader, 9)) == 9  # more than an epoch, with a sample RNG in every item
     loader.load_state_dict(loader.state_dict())
     assert_same_rng_states(before, rng_states())
-
-
-def test_an_iterable_dataset_is_refused_and_the_way_out_named() -> None:
-    class Stream(IterableDataset[int]):
-        def __iter__(self) -> Iterator[int]:
-            return iter(range(5))
-
-    with pytest.raises(UsageError, match="IterableDataset") as caught:
-        ResumableLoader(DataLoader(Stream(), batch_size=2))
-    assert "StatefulDataLoader" in str(caught.value)
 
 
 @pytest.mark.slow

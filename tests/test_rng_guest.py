@@ -46,6 +46,13 @@ assert _spec is not None
 assert _spec.loader is not None
 shapes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(shapes)
+_stream_spec = importlib.util.spec_from_file_location(
+    "train_iterable_guard", SCRIPT.with_name("train_iterable.py")
+)
+assert _stream_spec is not None
+assert _stream_spec.loader is not None
+streams = importlib.util.module_from_spec(_stream_spec)
+_stream_spec.loader.exec_module(streams)
 
 NBRESUME_ROOT = str(Path(nbresume.__file__).parent)
 
@@ -286,4 +293,19 @@ def test_a_sampler_on_the_global_streams_reads_the_epochs_seed_and_leaves_them(
     np.random.seed(99)
     assert [b.tolist() for (b,) in ResumableLoader(dl, seed=3)] == first
     assert recorder.regions > 0
+    check(recorder)
+
+
+@pytest.mark.parametrize("shape", streams.SHAPES)
+def test_a_stream_without_workers_draws_on_streams_of_its_own_and_puts_the_users_back(
+    tmp_path: Path, shape: str, recorder: Recorder
+) -> None:
+    """An IterableDataset iterated in the training process (``num_workers=0``) augments with
+    the global generators inside ``__iter__``: each batch is taken with the stream's own states
+    swapped in, and the user's put back exactly, through a stop mid-epoch and the resume that
+    drops the batches already trained."""
+    streams.train(tmp_path / "run", shape, 0, stop_after=6)
+    streams.train(tmp_path / "run", shape, 0)
+    assert any(c.in_restore for c in recorder.calls), "the resume restored no RNG state"
+    assert recorder.regions > streams.TOTAL, "every batch of the stream is a scoped region"
     check(recorder)

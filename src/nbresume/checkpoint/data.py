@@ -14,6 +14,14 @@ Three things make a resumed epoch identical to the original:
    ``__getitem__``. Augmentation then does not depend on which worker loaded the sample or
    where the run resumed. In the main process the training loop's RNG state is saved and put
    back around each sample, so loading data never disturbs it.
+
+An ``IterableDataset`` has no indices: its epoch is a stream. The stream of an epoch is
+rebuilt from its start (``set_epoch(epoch)`` first, where the dataset has it) and the
+consumed batches are loaded and dropped, which is exact when the stream of an epoch is a
+function of the epoch. Its randomness is fixed too: each worker's global RNGs are seeded by
+``(seed, epoch, worker id)`` before the worker starts the stream, and in the main process the
+stream draws from RNG states of its own, carried from batch to batch and swapped with the
+training loop's around each one.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import hashlib
 import logging
 import random
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -250,25 +259,132 @@ def _read_under_seed(
 @contextmanager
 def _host_streams_seeded(seed: int) -> Iterator[None]:
     """The host streams seeded with ``seed`` inside, exactly as they were after."""
+    numpy = sys.modules.get("numpy")
+    saved = _host_states(numpy)
+    _seed_host_streams(seed)
+    try:
+        yield
+    finally:
+        _put_host_states(saved, numpy)
+
+
+#: The states of the host streams: torch's CPU generator, ``random``, NumPy (None: not loaded).
+_HostStates = tuple[Any, Any, Any]
+
+
+def _host_states(numpy: Any) -> _HostStates:
     import torch
 
-    numpy = sys.modules.get("numpy")
-    saved = (
+    return (
         torch.default_generator.get_state(),
         random.getstate(),
         numpy.random.get_state() if numpy is not None else None,
     )
+
+
+def _put_host_states(states: _HostStates, numpy: Any) -> None:
+    import torch
+
+    torch.default_generator.set_state(states[0])
+    random.setstate(states[1])
+    if numpy is not None and states[2] is not None:
+        numpy.random.set_state(states[2])
+
+
+def _seed_host_streams(seed: int) -> None:
+    """Seed torch's CPU generator, ``random`` and NumPy; never a device's generator."""
+    import torch
+
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
+    numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(seed % (2**32))
-    try:
-        yield
-    finally:
-        torch.default_generator.set_state(saved[0])
-        random.setstate(saved[1])
-        if numpy is not None:
-            numpy.random.set_state(saved[2])
+
+
+def _stream_seed(seed: int, epoch: int, worker: int) -> int:
+    """The seed of the host streams on which worker ``worker`` (0: the main process) iterates
+    an IterableDataset in ``epoch``."""
+    digest = hashlib.blake2b(f"stream:{seed}:{epoch}:{worker}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class _SeedWorkerStreams:
+    """The ``worker_init_fn`` (under :class:`_WorkerInit`) of the workers of a stream: the
+    user's own first, then the worker's host streams seeded for ``(seed, epoch, worker id)``,
+    before the worker starts iterating the dataset. Each pass has workers of its own."""
+
+    def __init__(self, user: Callable[[int], None] | None, seed: int, epoch: int) -> None:
+        self.user = user
+        self.seed = seed
+        self.epoch = epoch
+
+    def __call__(self, worker_id: int) -> None:
+        if self.user is not None:
+            self.user(worker_id)
+        _SAMPLE_CONTEXT["seed"], _SAMPLE_CONTEXT["epoch"] = self.seed, self.epoch
+        _seed_host_streams(_stream_seed(self.seed, self.epoch, worker_id))
+
+
+class _OnOwnStreams:
+    """Iterates ``batches`` (a DataLoader without workers) in this process on host streams of
+    its own: seeded for the epoch before the first batch, carried from one batch to the next,
+    and swapped with the caller's around each one, which are put back exactly."""
+
+    def __init__(self, batches: Any, seed: int, epoch: int) -> None:
+        self.batches = batches
+        self.seed = seed
+        self.epoch = epoch
+        self.iterator: Iterator[Any] | None = None
+        self.states: _HostStates | None = None  # the stream's own, between two batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        numpy = sys.modules.get("numpy")
+        callers = _host_states(numpy)
+        try:
+            if self.states is None:
+                _seed_host_streams(_stream_seed(self.seed, self.epoch, 0))
+            else:
+                _put_host_states(self.states, numpy)
+            _SAMPLE_CONTEXT["seed"], _SAMPLE_CONTEXT["epoch"] = self.seed, self.epoch
+            if self.iterator is None:
+                self.iterator = iter(self.batches)  # may draw: a dataset's __iter__ runs here
+            return next(self.iterator)
+        finally:
+            self.states = _host_states(numpy)
+            _put_host_states(callers, numpy)
+
+
+_NOTHING: Any = object()
+
+
+class _Lookahead:
+    """An iterator that can tell whether another item follows: it takes it one early."""
+
+    def __init__(self, items: Iterator[Any]) -> None:
+        self.items = items
+        self.ahead: Any = _NOTHING
+        self.ended = False
+
+    def exhausted(self) -> bool:
+        if self.ahead is _NOTHING and not self.ended:
+            try:
+                self.ahead = next(self.items)
+            except StopIteration:
+                self.ended = True
+        return self.ended
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self.exhausted():
+            raise StopIteration
+        item, self.ahead = self.ahead, _NOTHING
+        return item
 
 
 def _position_for(batch_size: int | None, state: dict[str, Any]) -> int:
@@ -293,6 +409,34 @@ def _position_for(batch_size: int | None, state: dict[str, Any]) -> int:
         f"of batches of {batch_size}, so the rest of the epoch would repeat or skip samples",
         fix=f"keep batch_size={saved} until this epoch ends, or choose a batch size that "
         f"divides {samples}; a new batch size from the start of an epoch needs nothing",
+    )
+
+
+def _same_batches_of_workers(batch_size: int | None, state: dict[str, Any]) -> None:
+    """Over a stream read by several workers, a batch holds the next items of one worker: the
+    batches of another size do not cover the same items, so the batch size stays until the
+    epoch ends."""
+    saved = state.get("batch_size")
+    if saved is None or saved == batch_size or state["position"] == 0:
+        return
+    raise UsageError(
+        f"the batch size changed from {saved} to {batch_size} in the middle of epoch "
+        f"{state['epoch']} of an IterableDataset read by several workers: each batch comes "
+        "from one worker's stream, so batches of the new size would not hold the items that "
+        "the rest of the epoch holds",
+        fix=f"keep batch_size={saved} until this epoch ends; a new batch size from the start "
+        "of an epoch needs nothing",
+    )
+
+
+def _stream_ended_early(epoch: int, batches: int, position: int) -> UsageError:
+    return UsageError(
+        f"epoch {epoch} of the IterableDataset ended after {batches} batches, but the "
+        f"checkpoint was saved after {position} batches of it: its stream is not the same as "
+        "in the run that saved it",
+        fix="make the stream of an epoch a function of the epoch: shuffle in set_epoch(epoch) "
+        "or from the global random generators inside __iter__ (nbresume seeds them for each "
+        "epoch and worker), never from a counter or the clock",
     )
 
 
@@ -329,19 +473,18 @@ class ResumableLoader:
     for that epoch: every batch belongs to a step, a pass left early (``break``) moves it to
     the start of its next data epoch, and a pass that had ended before the checkpoint the run
     resumed from yields nothing.
+
+    Over an ``IterableDataset`` the position is the same count of batches; a resumed epoch
+    is the epoch's stream rebuilt from its start, its consumed batches loaded and dropped.
     """
 
     def __init__(self, loader: Any, *, seed: int | None = None) -> None:
         import torch
         from torch.utils.data import IterableDataset
 
-        if isinstance(loader.dataset, IterableDataset):
-            raise UsageError(
-                "nbresume cannot skip to a position inside an IterableDataset",
-                fix="use a map-style Dataset, or torchdata's StatefulDataLoader and pass it to "
-                "the Checkpointer as a stateful object",
-            )
         self.loader = loader
+        #: A stream (IterableDataset): no indices to skip by, and maybe no length.
+        self.iterable = isinstance(loader.dataset, IterableDataset)
         self.seed = int(torch.initial_seed() if seed is None else seed) & (2**63 - 1)
         self.epoch = 0
         self.position = 0  # batches of the current epoch already handed out
@@ -373,6 +516,8 @@ class ResumableLoader:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if self.iterable and self.loader.num_workers > 1:
+            _same_batches_of_workers(self.loader.batch_size, state)
         position = _position_for(self.loader.batch_size, state)
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], position
         self.finished_in = state.get("finished_in", -1)  # absent before loop shapes were tracked
@@ -395,18 +540,18 @@ class ResumableLoader:
                 return _read_under_seed(source, seed, custom_batches)
             return _read(source, custom_batches)
 
-    def _make_loader(self, skip: int) -> Any:
+    def _options(self, worker_init_fn: Callable[[int], None] | None) -> dict[str, Any]:
+        """The options of the DataLoader of one pass: the user's, with nbresume's generator
+        for the epoch and its worker setup."""
         import torch
-        from torch.utils.data import DataLoader
 
         loader = self.loader
-        batches, indices = self._epoch_indices()
         options: dict[str, Any] = {
             "num_workers": loader.num_workers,
             "collate_fn": loader.collate_fn,
             "pin_memory": loader.pin_memory,
             "timeout": loader.timeout,
-            "worker_init_fn": _WorkerInit(loader.worker_init_fn),
+            "worker_init_fn": _WorkerInit(worker_init_fn),
             "multiprocessing_context": loader.multiprocessing_context,
             "generator": torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch) ^ 1),
             "persistent_workers": False,
@@ -415,6 +560,14 @@ class ResumableLoader:
             options["prefetch_factor"] = loader.prefetch_factor
         if getattr(loader, "pin_memory_device", ""):
             options["pin_memory_device"] = loader.pin_memory_device
+        return options
+
+    def _make_loader(self, skip: int) -> Any:
+        from torch.utils.data import DataLoader
+
+        loader = self.loader
+        batches, indices = self._epoch_indices()
+        options = self._options(loader.worker_init_fn)
         dataset: Any = _SeededDataset(loader.dataset, self.seed, self.epoch)
         if batches is not None:
             return DataLoader(dataset, batch_sampler=batches[skip:], **options)
@@ -438,11 +591,58 @@ class ResumableLoader:
         else:
             yield from self._epoch_pass(loop, key)
 
+    def _open_stream(self, skip: int) -> Iterator[Any]:
+        """The batches of the current epoch of a stream after the first ``skip``, which are
+        loaded and dropped: the epoch's stream starts over (``set_epoch`` first, where the
+        dataset has it) on nbresume's seeds, so it is the same as before if the dataset's
+        stream of an epoch is a function of the epoch."""
+        from torch.utils.data import DataLoader
+
+        loader = self.loader
+        if hasattr(loader.dataset, "set_epoch"):
+            loader.dataset.set_epoch(self.epoch)
+        seeding = _SeedWorkerStreams(loader.worker_init_fn, self.seed, self.epoch)
+        made = DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            drop_last=loader.drop_last,
+            **self._options(seeding),
+        )
+        if loader.num_workers > 0:
+            batches: Iterator[Any] = iter(made)
+        else:  # no worker seeds the stream: it runs here, on host streams of its own
+            batches = _OnOwnStreams(made, self.seed, self.epoch)
+        if skip:
+            started = time.perf_counter()
+            for dropped in range(skip):
+                if next(batches, _NOTHING) is _NOTHING:
+                    raise _stream_ended_early(self.epoch, dropped, skip)
+            log.info(
+                "nbresume: epoch %d of the IterableDataset resumes at batch %d: the %d batches "
+                "before it were loaded and dropped in %.1f s",
+                self.epoch, skip, skip, time.perf_counter() - started,
+            )  # fmt: skip
+        return batches
+
+    def _rest_of_epoch(self) -> tuple[Iterator[Any], Callable[[], bool]]:
+        """The batches left in the current data epoch (timed), and a test of whether none is
+        left: a map-style loader counts them; a stream takes its next batch one early."""
+        if self.iterable:
+            ahead = _Lookahead(self.data_wait.timed(self._open_stream(self.position)))
+            return ahead, ahead.exhausted
+        total = len(self.loader)
+        return self._timed_batches(), lambda: self.position >= total
+
+    def _timed_batches(self) -> Iterator[Any]:
+        yield from self.data_wait.timed(self._make_loader(self.position))
+
     def _standalone_pass(self) -> Iterator[Any]:
         """The rest of the current data epoch, outside an epoch loop (``steps()``, by hand)."""
-        if self.position >= len(self.loader):
+        rest, exhausted = self._rest_of_epoch()
+        if exhausted():
             self.epoch, self.position = self.epoch + 1, 0
-        for batch in self.data_wait.timed(self._make_loader(self.position)):
+            rest, _ = self._rest_of_epoch()
+        for batch in rest:
             self.position += 1
             yield batch
         self.epoch, self.position = self.epoch + 1, 0
@@ -454,12 +654,13 @@ class ResumableLoader:
         epoch = key[1]
         if self.finished_in == epoch:
             return  # resumed after this pass had ended: the rest of the body runs without it
-        total = len(self.loader)
-        if loop._wants_batch(self, key, self.position >= total):
+        rest, exhausted = self._rest_of_epoch()
+        if loop._wants_batch(self, key, exhausted()):
             return  # the loop is stopping: nothing more is handed out
-        if self.position >= total:
+        if exhausted():
             self.epoch, self.position = self.epoch + 1, 0
-        for batch in self.data_wait.timed(self._make_loader(self.position)):
+            rest, exhausted = self._rest_of_epoch()
+        for batch in rest:
             self.position += 1
             loop._batch_given(self)
             try:
@@ -470,7 +671,7 @@ class ResumableLoader:
                 # collector, in any thread; the loop acts on it at its next control point.
                 loop._pass_left(self, key)
                 raise
-            if loop._wants_batch(self, key, self.position >= total):
+            if loop._wants_batch(self, key, exhausted()):
                 return  # stopping mid-epoch: the position stays where the checkpoint has it
         self._end_pass(epoch)
 
@@ -496,4 +697,8 @@ class ResumableLoader:
 
 #: Where nbresume seeds the host streams itself, each time putting the user's states back
 #: exactly before returning (tests/test_rng_guest.py checks both).
-SCOPED_SEEDING: tuple[Callable[..., Any], ...] = (_SeededDataset.__getitem__, _read_under_seed)
+SCOPED_SEEDING: tuple[Callable[..., Any], ...] = (
+    _SeededDataset.__getitem__,
+    _read_under_seed,
+    _OnOwnStreams.__next__,
+)
