@@ -716,9 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="every training loop saves and stops at step N (default 20)",
     )
-    p.add_argument(
-        "--kills", type=_positive_int, default=2, metavar="K", help="kills (default 2)"
-    )
+    p.add_argument("--kills", type=_positive_int, default=2, metavar="K", help="kills (default 2)")
     p.add_argument("--seed", type=int, default=None, help="repeat the kill moments of a check")
     p.add_argument(
         "--timeout",
