@@ -61,3 +61,20 @@ def test_only_a_save_between_optimizer_steps_carries_gradients(tmp_path: Path) -
     assert saved[8] is False
     assert saved[2] is True
     assert saved[6] is True
+
+
+def test_the_usual_loop_saves_no_gradients_even_at_its_end(tmp_path: Path) -> None:
+    """zero_grad(), backward(), step(): the gradients left after the step are stale, not
+    pending; neither the cadence's saves nor the final one carry them."""
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"keep": None, "deadline": None, "quiet": True, "async_save": False}
+    ck = nbresume.Checkpointer(tmp_path, every=2, model=model, optimizer=optimizer, **options)
+    for _ in ck.steps(5):
+        optimizer.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    ck.close()
+    for folder in sorted(p for p in tmp_path.iterdir() if p.name.isdigit()):
+        state = json.loads((folder / "state.json").read_text())
+        assert "gradients" not in state, folder.name

@@ -471,6 +471,7 @@ class Checkpointer(EpochLoopMixin):
             while True:
                 started = time.monotonic()
                 self._body = "step"
+                self._step_watch.step_begins()
                 try:
                     yield self.step
                 except GeneratorExit:
@@ -499,7 +500,6 @@ class Checkpointer(EpochLoopMixin):
         try:
             return self._step_boundary(final=final)
         finally:
-            self._step_watch.boundary()  # the next step starts with no optimizer stepped
             param_groups.release()
 
     def _step_boundary(self, *, final: bool) -> bool:

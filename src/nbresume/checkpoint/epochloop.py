@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from nbresume.checkpoint.cadence import Cadence
+    from nbresume.checkpoint.gradients import StepWatch
 
 
 class EpochState:
@@ -63,6 +64,9 @@ class EpochLoopMixin:
         def _loop(self, bound: tuple[str, int]) -> AbstractContextManager[None]: ...
         def _ends_here(self, loop: str, bound: int) -> bool: ...
         def _note_left(self) -> None: ...
+
+        _step_watch: StepWatch
+
         def _boundary(self, *, final: bool) -> bool: ...
         def _finish(self) -> None: ...
 
@@ -133,6 +137,7 @@ class EpochLoopMixin:
                 while self.epoch < count:
                     started = time.monotonic()
                     self._body = "epoch"
+                    self._step_watch.step_begins()  # the epoch is the step without loaders
                     try:
                         yield self.epoch
                     except GeneratorExit:
@@ -235,6 +240,8 @@ class EpochLoopMixin:
     def _batch_given(self, loader: ResumableLoader) -> None:
         state = self._epochs
         assert state is not None
+        if not state.step:  # the first batch of a step: the step begins
+            self._step_watch.step_begins()
         state.step.add(id(loader))
         state.batches += 1
 

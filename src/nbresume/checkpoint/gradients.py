@@ -4,9 +4,10 @@ With gradient accumulation, a step boundary can fall between two optimizer steps
 gradients of the micro-batches since the last ``optimizer.step()`` are part of the training
 state, and a resume without them trains on fewer samples for that update. A save therefore
 keeps them when they are pending: an optimizer registered with the Checkpointer did not step
-since the last step boundary, and some of its parameters hold a gradient. Gradients left over
-after an optimizer step (``zero_grad()`` comes first in the next step) are not pending, so the
-usual loop saves nothing more.
+in the step the save ends (or is made in), and some of its parameters hold a gradient.
+Gradients left over after an optimizer step (``zero_grad()`` comes first in the next step) are
+not pending, so the usual loop saves nothing more. Steps are those of ``steps()`` and
+``epochs()``: a ``save()`` from a loop of the user's own carries no gradients.
 
 The gradients go into the checkpoint's ``gradients`` tensor group, keyed by optimizer name and
 ``"<group>.<index>"`` of the parameter in that optimizer's parameter groups; ``restore()`` puts
@@ -29,10 +30,13 @@ def is_optimizer(value: Any) -> bool:
 
 
 class StepWatch:
-    """Which registered optimizers stepped since the last step boundary."""
+    """Which registered optimizers stepped in the running (or the last ended) step."""
 
     def __init__(self) -> None:
         self._stepped: set[int] = set()
+        #: Whether a loop of the Checkpointer has begun a step: steps are known only there
+        #: (a save() in a loop of the user's own cannot tell pending gradients from stale).
+        self.active = False
 
     def watch(self, optimizer: Any) -> None:
         """Follow ``optimizer``'s steps (its hook holds this watch weakly: a Checkpointer
@@ -49,15 +53,19 @@ class StepWatch:
     def stepped(self, optimizer: Any) -> bool:
         return id(optimizer) in self._stepped
 
-    def boundary(self) -> None:
-        """A step ended: the next one starts with no optimizer stepped."""
+    def step_begins(self) -> None:
+        """A step begins (its body, or its first batch): no optimizer stepped in it yet. A
+        save at its boundary, or after the loop, still sees the step that ended."""
         self._stepped.clear()
+        self.active = True
 
 
 def pending(objects: Mapping[str, Any], watch: StepWatch) -> dict[str, dict[str, Any]]:
     """The pending gradients of every registered optimizer that did not step since the last
     boundary: ``{optimizer name: {"<group>.<index>": grad}}`` (empty: none pending)."""
     found: dict[str, dict[str, Any]] = {}
+    if not watch.active:
+        return found
     for name, obj in objects.items():
         if not is_optimizer(obj) or watch.stepped(obj):
             continue
@@ -80,10 +88,12 @@ def plan_put_back(
     assignments = []
     for name, grads in saved.items():
         obj = objects.get(name)
-        if obj is None or not is_optimizer(obj) or not isinstance(grads, Mapping):
+        if obj is None:
+            continue  # restored without its optimizer (to evaluate, say): nothing to train
+        if not is_optimizer(obj) or not isinstance(grads, Mapping):
             raise CheckpointError(
-                f"the checkpoint holds pending gradients for {name!r}, which is not a "
-                "registered optimizer here",
+                f"the checkpoint holds pending gradients for {name!r}, which is not an "
+                "optimizer here",
                 where=where,
                 fix=f"register the optimizer as {name}= as in the run that saved it",
             )
