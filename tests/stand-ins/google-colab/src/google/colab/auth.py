@@ -29,7 +29,10 @@ def authenticate_user(clear_output: bool = True) -> None:
         return
     _standin.api_url()  # Google's side must be up before anything asks it
     expiry = _datetime.now(_timezone.utc) + _timedelta(days=365)
-    folder = _tempfile.mkdtemp(prefix="colab-standin-adc-")
+    # Beside the simulated cloud's folder (a test's own), never in the machine's /tmp: a test
+    # leaves no credential file behind, even from a kernel that was killed.
+    cloud_root = _os.path.abspath(_os.environ[_standin.ROOT_ENV])
+    folder = _tempfile.mkdtemp(prefix="colab-standin-adc-", dir=_os.path.dirname(cloud_root))
     path = _os.path.join(folder, "adc.json")
     with open(path, "w") as handle:
         _json.dump(
