@@ -263,7 +263,9 @@ class Zygote:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=CHILD_ENV,
+            # A killed run's DataLoader workers leave multiprocessing's temporary folders
+            # behind: here, not in /tmp.
+            env={**CHILD_ENV, "TMPDIR": str(workdir)},
         )
         self.runs = 0
 

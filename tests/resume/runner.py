@@ -122,7 +122,9 @@ def train(
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
-            env=CHILD_ENV,
+            # Its DataLoader workers, killed with it, leave multiprocessing's temporary
+            # folders behind: beside the run's folder, not in /tmp.
+            env={**CHILD_ENV, "TMPDIR": str(folder.parent)},
             start_new_session=True,
         )
 
