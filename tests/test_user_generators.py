@@ -60,13 +60,23 @@ def test_the_users_generators_continue_exactly_after_a_resume(tmp_path: Path, ho
     assert first + rest == uninterrupted
 
 
-def test_a_device_generator_is_saved_with_its_state(tmp_path: Path) -> None:
-    generator = torch.Generator().manual_seed(9)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ],
+)
+def test_a_generator_is_restored_into_the_same_object(tmp_path: Path, device: str) -> None:
+    generator = torch.Generator(device=device).manual_seed(9)
     ck = nbresume.Checkpointer(tmp_path, every=None, deadline=None, quiet=True, noise=generator)
-    torch.rand(3, generator=generator)
+    torch.rand(3, generator=generator, device=device)
     expected = generator.get_state()
     ck.save(block=True)
-    torch.rand(3, generator=generator)
+    torch.rand(3, generator=generator, device=device)
     ck.close()
     again = nbresume.Checkpointer(tmp_path, every=None, deadline=None, quiet=True, noise=generator)
     again.restore()
