@@ -433,38 +433,48 @@ class DurableCloser:
     """Makes written files durable (:meth:`Store.close_durably`) in worker threads, several
     at once, while the caller writes the next file. The first failure is raised in the caller
     (by :meth:`check` or :meth:`finish`); files given after it are only closed. Without
-    ``threaded``, each file is made durable in the caller as it is given."""
+    ``threaded``, each file is made durable in the caller as it is given.
+
+    Each file given is a :class:`_Closing` that a worker claims before it starts on it, so
+    that :meth:`abandon` (after an error or a ``KeyboardInterrupt``, which may arrive between
+    any two lines, even while a file is being handed to the workers) waits only for files a
+    worker is working on, and closes the unclaimed ones itself: it never waits for a file
+    that no worker will take."""
 
     def __init__(self, store: Store, *, threaded: bool) -> None:
         self._store = store
         self._threaded = threaded
         self._error: BaseException | None = None
-        self._in_flight = 0
+        self._given: list[_Closing] = []
         self._changed = forksafe.condition()
 
     def close(self, handle: IO[bytes]) -> None:
-        if self._threaded:
-            with self._changed:
-                self._in_flight += 1
-            if _WORKERS.submit(lambda: self._close(handle)):
-                return
-            with self._changed:
-                self._in_flight -= 1
-        self._store.close_durably(handle)
+        if not self._threaded:
+            self._store.close_durably(handle)
+            return
+        closing = _Closing(handle)
+        with self._changed:
+            self._given.append(closing)
+        if not _WORKERS.submit(lambda: self._run(closing)):
+            self._run(closing)  # no worker can start: made durable here
 
-    def _close(self, handle: IO[bytes]) -> None:
+    def _run(self, closing: _Closing) -> None:
+        with self._changed:
+            if closing.state != _Closing.GIVEN:  # abandoned before a worker took it
+                return
+            closing.state = _Closing.WORKING
         try:
             if self._error is not None:
                 with contextlib.suppress(OSError):
-                    handle.close()
+                    closing.handle.close()
             else:
-                self._store.close_durably(handle)
+                self._store.close_durably(closing.handle)
         except BaseException as exc:
             with self._changed:
                 self._error = self._error or exc
         finally:
             with self._changed:
-                self._in_flight -= 1
+                closing.state = _Closing.DONE
                 self._changed.notify_all()
 
     def check(self) -> None:
@@ -473,13 +483,32 @@ class DurableCloser:
 
     def finish(self) -> None:
         """Wait until every file given is durable; raise the first failure."""
-        self.abandon()
+        with self._changed:
+            self._changed.wait_for(lambda: all(c.state == _Closing.DONE for c in self._given))
         self.check()
 
     def abandon(self) -> None:
-        """Wait until every file given is closed, durable or not."""
+        """Close every file given, durable or not: wait for those a worker is making durable,
+        close the others here."""
         with self._changed:
-            self._changed.wait_for(lambda: self._in_flight == 0)
+            unclaimed = [c for c in self._given if c.state == _Closing.GIVEN]
+            for closing in unclaimed:
+                closing.state = _Closing.DONE
+        for closing in unclaimed:
+            with contextlib.suppress(OSError):
+                closing.handle.close()
+        with self._changed:
+            self._changed.wait_for(lambda: all(c.state == _Closing.DONE for c in self._given))
+
+
+class _Closing:
+    """One file given to a :class:`DurableCloser`, and how far it has got."""
+
+    GIVEN, WORKING, DONE = "given", "working", "done"
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.state = _Closing.GIVEN
 
 
 class ReadBackBuffers:
