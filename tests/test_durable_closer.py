@@ -54,7 +54,8 @@ def test_an_interrupt_while_a_file_is_handed_over_leaves_abandon_waiting_for_not
     waiter = threading.Thread(target=lambda: (closer.abandon(), finished.set()), daemon=True)
     waiter.start()
     assert finished.wait(10), "abandon() waits for a file no worker will ever take"
-    assert first.closed and second.closed
+    assert first.closed
+    assert second.closed
 
 
 def test_abandon_waits_for_the_file_a_worker_is_making_durable(tmp_path: Path) -> None:
@@ -91,5 +92,5 @@ def test_finish_makes_every_file_durable_and_raises_the_first_failure(tmp_path: 
     bad = opened(tmp_path, "e")
     bad.close()  # fsync of a closed file fails
     broken.close(bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="closed file"):
         broken.finish()
