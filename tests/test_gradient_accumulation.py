@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import nbresume
+from nbresume.checkpoint.format import step_dirname
 
 ACCUMULATE = 4
 
@@ -78,3 +79,26 @@ def test_the_usual_loop_saves_no_gradients_even_at_its_end(tmp_path: Path) -> No
     for folder in sorted(p for p in tmp_path.iterdir() if p.name.isdigit()):
         state = json.loads((folder / "state.json").read_text())
         assert "gradients" not in state, folder.name
+
+
+def test_close_takes_the_step_hook_off_the_users_optimizer_and_a_new_loop_puts_it_back(
+    tmp_path: Path,
+) -> None:
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    users_own = optimizer.register_step_post_hook(lambda *args: None)
+    hooks = optimizer._optimizer_step_post_hooks
+    options = {"keep": None, "deadline": None, "quiet": True, "async_save": False}
+    ck = nbresume.Checkpointer(tmp_path, every=2, model=model, optimizer=optimizer, **options)
+    assert len(hooks) == 2
+    ck.close()
+    assert list(hooks) == [users_own.id]  # the user's hook stays, ours is gone
+
+    # The same Checkpointer used again: its steps are followed again (pending gradients kept).
+    for _ in ck.steps(3):
+        model(torch.ones(1, 4)).sum().backward()  # type: ignore[no-untyped-call]
+    assert len(hooks) == 2
+    state = json.loads((tmp_path / step_dirname(3) / "state.json").read_text())
+    assert "gradients" in state  # no optimizer step ran: the gradients are pending
+    ck.close()
+    assert list(hooks) == [users_own.id]

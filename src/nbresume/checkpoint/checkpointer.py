@@ -704,13 +704,16 @@ class Checkpointer(EpochLoopMixin):
 
     def close(self) -> None:
         """Finish the save in flight and raise its error, if any; wait until the checkpoints
-        retention deleted are off the disk; give back the folder's writer lease (a later save
-        takes it again)."""
+        retention deleted are off the disk; take nbresume's hooks off the registered
+        optimizers; give back the folder's writer lease (a later save or loop takes both
+        again)."""
         atexit.unregister(self._at_exit)
         try:
             self._end_left_loop()
             self.wait()
         finally:
+            self._step_watch.unhook()
+            param_groups.release()
             self._release_lease()
 
     def _release_lease(self) -> None:

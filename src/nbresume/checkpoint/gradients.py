@@ -30,17 +30,28 @@ def is_optimizer(value: Any) -> bool:
 
 
 class StepWatch:
-    """Which registered optimizers stepped in the running (or the last ended) step."""
+    """Which registered optimizers stepped in the running (or the last ended) step.
+
+    Its hooks are on the user's optimizers only while the Checkpointer is in use: they go at
+    :meth:`unhook` (``Checkpointer.close()``) or when the Checkpointer is garbage, and come
+    back at the next step a loop begins."""
 
     def __init__(self) -> None:
         self._stepped: set[int] = set()
+        self._optimizers: list[weakref.ref[Any]] = []
+        self._hooks: list[Any] = []  # torch.utils.hooks.RemovableHandle
         #: Whether a loop of the Checkpointer has begun a step: steps are known only there
         #: (a save() in a loop of the user's own cannot tell pending gradients from stale).
         self.active = False
+        weakref.finalize(self, _remove_all, self._hooks)
 
     def watch(self, optimizer: Any) -> None:
         """Follow ``optimizer``'s steps (its hook holds this watch weakly: a Checkpointer
         that is gone leaves a hook that does nothing)."""
+        self._optimizers.append(weakref.ref(optimizer))
+        self._hook(optimizer)
+
+    def _hook(self, optimizer: Any) -> None:
         me = weakref.ref(self)
 
         def hook(opt: Any, args: Any, kwargs: Any) -> None:
@@ -48,7 +59,11 @@ class StepWatch:
             if watch is not None:
                 watch._stepped.add(id(opt))
 
-        optimizer.register_step_post_hook(hook)
+        self._hooks.append(optimizer.register_step_post_hook(hook))
+
+    def unhook(self) -> None:
+        """Take the hooks off the optimizers (each optimizer is again as the user made it)."""
+        _remove_all(self._hooks)
 
     def stepped(self, optimizer: Any) -> bool:
         return id(optimizer) in self._stepped
@@ -56,8 +71,18 @@ class StepWatch:
     def step_begins(self) -> None:
         """A step begins (its body, or its first batch): no optimizer stepped in it yet. A
         save at its boundary, or after the loop, still sees the step that ended."""
+        if not self._hooks:  # after unhook(): a new loop of the same Checkpointer
+            for ref in self._optimizers:
+                optimizer = ref()
+                if optimizer is not None:
+                    self._hook(optimizer)
         self._stepped.clear()
         self.active = True
+
+
+def _remove_all(hooks: list[Any]) -> None:
+    while hooks:
+        hooks.pop().remove()
 
 
 def pending(objects: Mapping[str, Any], watch: StepWatch) -> dict[str, dict[str, Any]]:
