@@ -24,7 +24,14 @@ def environment(tmp: Path, **extra: str) -> dict[str, str]:
     (kernel / "kernel.json").write_text(
         json.dumps({"argv": argv, "display_name": "Python 3", "language": "python"})
     )
-    for name in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
+    # TMPDIR: the kernel's connection file (mkstemp) of a papermill that is killed stays here.
+    for name in (
+        "JUPYTER_CONFIG_DIR",
+        "JUPYTER_RUNTIME_DIR",
+        "IPYTHONDIR",
+        "MPLCONFIGDIR",
+        "TMPDIR",
+    ):
         (tmp / name).mkdir()
         env[name] = str(tmp / name)
     env.update(

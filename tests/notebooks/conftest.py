@@ -143,6 +143,9 @@ def base_env(jupyter_data: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         ("JUPYTER_RUNTIME_DIR", "runtime"),
         ("IPYTHONDIR", "ipython"),
         ("MPLCONFIGDIR", "matplotlib"),
+        # papermill writes the kernel's connection file with mkstemp: a papermill the test
+        # kills leaves it, here rather than in /tmp.
+        ("TMPDIR", "tmp"),
     ):
         (home / sub).mkdir()
         env[name] = str(home / sub)
