@@ -250,7 +250,12 @@ def check_contents(store: Store, name: str, manifest: Manifest, heads: Mapping[s
     decode_state(documents, specs, where=store.child(name, f"{STATE_FILE}.json"))
 
 
-def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> dict[str, memoryview]:
+def read_verified(
+    store: Store,
+    name: str,
+    files: Mapping[str, FileEntry],
+    devices: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Every file of ``files`` read once into a buffer of its own, its size and hashes
     checked against ``files`` before it is returned.
 
@@ -260,17 +265,25 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
     starts first). A tensor file's buffer is populated at once after its header is checked
     (:func:`ready_for_rest`). The buffers are memory of their own, never a mapping of the
     files: what is built on them holds no file open.
+
+    A tensor file named in ``devices`` (file name -> torch device) is read into a byte
+    tensor on that device instead (:class:`DeviceReader`): through a few pinned host
+    buffers, each piece hashed while the one before is copied, so that no host memory as
+    large as the file is needed. Nothing built on it is returned before its hash matched.
     """
-    pending: list[tuple[str, FileEntry, memoryview, int, Digests]] = []
+    pending: list[tuple[str, FileEntry, Any, int, Digests]] = []
+    placed = DeviceReader()
     try:
         for file_name, entry in sorted(files.items(), key=lambda item: -item[1].size):
             where = store.child(name, file_name)
+            device = (devices or {}).get(file_name)
             try:
                 with store.open_read(name, file_name) as handle:
                     known = handle_size(handle)
                     digests = Digests(
                         md5=entry.md5 is not None,
-                        threaded=entry.size >= THREAD_MIN_BYTES,
+                        # A piece read for a device is hashed before its buffer is reused.
+                        threaded=entry.size >= THREAD_MIN_BYTES and device is None,
                         algorithm=entry.algorithm,
                     )
                     pending.append((file_name, entry, memoryview(b""), 0, digests))
@@ -284,9 +297,15 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
                             size, checked = read_checked_head(
                                 handle, buffer, entry.size, digests, where
                             )
-                            if checked:
+                            on_device = None
+                            if checked and device is not None:
+                                on_device = placed.read(handle, buffer, size, digests, device)
+                            if on_device is not None:
+                                buffer, size = on_device
+                            elif checked:
                                 buffer = ready_for_rest(handle, buffer, size)
-                        size += read_hashing(handle, buffer[size:], digests)
+                        if isinstance(buffer, memoryview):  # else read to its end already
+                            size += read_hashing(handle, buffer[size:], digests)
                         if size == entry.size and handle.read(1):
                             size += 1  # more bytes than the manifest says
             except FileNotFoundError:
@@ -295,7 +314,7 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
                 raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
             pending[-1] = (file_name, entry, buffer, size, digests)
         results = {item[0]: item for item in pending}
-        out: dict[str, memoryview] = {}
+        out: dict[str, Any] = {}
         for file_name in files:  # checked in the manifest's order
             _, entry, buffer, size, digests = results[file_name]
             sha256, md5 = digests.result()
@@ -305,6 +324,82 @@ def read_verified(store: Store, name: str, files: Mapping[str, FileEntry]) -> di
     finally:
         for *_, digests in pending:
             digests.cancel()
+
+
+#: A read for a device: :data:`DEVICE_BUFFERS` host buffers of :data:`DEVICE_PIECE` bytes.
+DEVICE_PIECE = 32 << 20
+DEVICE_BUFFERS = 4
+
+
+class DeviceReader:
+    """Reads the rest of a file into a byte tensor on a device through a ring of a few host
+    buffers: each piece is read into the next buffer and hashed while the pieces before it
+    are copied to the device (from pinned memory, on a stream of its own, for CUDA), so that
+    reading, hashing and copying overlap and the host memory used is the ring's whatever the
+    size of the file. The ring and the stream are made at the first read and kept for the
+    next files of the same restore."""
+
+    def __init__(self) -> None:
+        self._ring: list[Any] = []
+        self._copied: list[Any] = []  # per buffer: the event of its last copy, or None
+        self._stream: Any = None
+
+    def read(
+        self, handle: IO[bytes], head: memoryview, start: int, digests: Digests, device: Any
+    ) -> tuple[Any, int] | None:
+        """The whole file as a byte tensor on ``device`` and the bytes read (the first
+        ``start`` of them already in ``head``, hashed), or ``None`` where the device has no
+        room for it (the file is then read into host memory, as any other)."""
+        import torch
+
+        device = torch.device(device)
+        try:
+            target = torch.empty(head.nbytes, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:
+            return None
+        cuda = device.type == "cuda"
+        if not self._ring:
+            self._ring = [_host_buffer(cuda) for _ in range(DEVICE_BUFFERS)]
+            self._copied = [None] * DEVICE_BUFFERS
+            self._stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
+        if cuda:  # the target's memory may still be in use by work queued before it was free
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
+            target[:start].copy_(torch.frombuffer(head, dtype=torch.uint8, count=start))
+            size = start
+            index = 0
+            while size < target.numel():
+                slot = index % len(self._ring)
+                if self._copied[slot] is not None:
+                    self._copied[slot].synchronize()  # its last piece is on the device
+                piece = self._ring[slot][: min(DEVICE_PIECE, target.numel() - size)]
+                view = memoryview(piece.numpy())
+                count = read_into(handle, view)
+                if count:
+                    digests.update(view[:count])
+                    target[size : size + count].copy_(piece[:count], non_blocking=cuda)
+                    if cuda:
+                        self._copied[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        self._copied[slot].record(self._stream)
+                    size += count
+                    index += 1
+                if count < piece.numel():
+                    break
+        if cuda:
+            self._stream.synchronize()  # every byte is on the device before it is used
+            self._copied = [None] * len(self._ring)
+        return target, size
+
+
+def _host_buffer(pinned: bool) -> Any:
+    """A host buffer of :data:`DEVICE_PIECE` bytes, pinned where asked and possible (a low
+    locked-memory limit refuses it: pageable memory is correct, only slower)."""
+    import torch
+
+    if pinned:
+        with contextlib.suppress(RuntimeError):
+            return torch.empty(DEVICE_PIECE, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(DEVICE_PIECE, dtype=torch.uint8)
 
 
 #: Below this many bytes left to read after a file's header, its buffer is filled as it is.
@@ -412,29 +507,40 @@ def check_json_size(where: str, file_name: str, entry: FileEntry) -> None:
         )
 
 
-def load_folder(store: Store, step: int, name: str, framework: str) -> LoadedCheckpoint:
-    """One checkpoint read, verified and decoded (raises CorruptCheckpointError)."""
+def load_folder(
+    store: Store,
+    step: int,
+    name: str,
+    framework: str,
+    devices: Mapping[str, Any] | None = None,
+) -> LoadedCheckpoint:
+    """One checkpoint read, verified and decoded (raises CorruptCheckpointError); the tensor
+    files named in ``devices`` are read onto those devices (:func:`read_verified`)."""
     manifest = read_manifest(store, name, step)
     loaded = LoadedCheckpoint(step, store.child(name), manifest)
     # Nothing is parsed before every file's hash matched (a safetensors header excepted:
     # it is checked against the file's size before the tensor bytes are read).
-    decode_files(store, name, read_verified(store, name, manifest.files), loaded, framework)
+    buffers = read_verified(store, name, manifest.files, devices)
+    decode_files(store, name, buffers, loaded, framework)
     return loaded
 
 
 def decode_files(
     store: Store,
     name: str,
-    buffers: Mapping[str, Buffer],
+    buffers: Mapping[str, Any],
     loaded: LoadedCheckpoint,
     framework: str = "torch",
 ) -> None:
     """Decode verified files into ``loaded`` by their kind (safetensors or JSON), then check
-    a Checkpointer's ``state.json`` against the tensors it refers to."""
+    a Checkpointer's ``state.json`` against the tensors it refers to. A tensor file read onto
+    a device (a byte tensor: :class:`DeviceReader`) gives tensors on that device."""
     for file_name, buffer in buffers.items():
         where = store.child(name, file_name)
         stem, kind = file_name.rsplit(".", 1)
-        if kind == "safetensors":
+        if kind == "safetensors" and tensorfile.is_device_bytes(buffer):
+            loaded.tensors[stem] = tensorfile.decode_device(buffer, where=where)
+        elif kind == "safetensors":
             view = buffer if isinstance(buffer, (bytearray, memoryview)) else memoryview(buffer)
             loaded.tensors[stem] = tensorfile.decode(view, where=where, framework=framework)
         else:

@@ -241,6 +241,29 @@ def adopt_storages(module: Any, tree: Mapping[str, Any]) -> tuple[dict[str, Any]
     return out, adopted
 
 
+def devices(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """The tensor file of each module and optimizer whose tensors all live on one CUDA
+    device, mapped to that device: a restore reads those files straight onto it
+    (:class:`~nbresume.checkpoint.reading.DeviceReader`) rather than into host memory as
+    large as the file, then copied. Objects on the host, spread over devices, or of other
+    kinds are read into host memory as before."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return {}
+    out: dict[str, Any] = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            tensors = list(obj.state_dict(keep_vars=True).values())
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors = [p for group in obj.param_groups for p in group["params"]]
+        else:
+            continue
+        found = {t.device for t in tensors if isinstance(t, torch.Tensor)}
+        if len(found) == 1 and next(iter(found)).type == "cuda":
+            out[f"{name}.safetensors"] = next(iter(found))
+    return out
+
+
 def _outside_nbresume() -> int:
     """The ``stacklevel`` of a warning that points at the first caller outside nbresume."""
     package = os.path.dirname(os.path.dirname(__file__))

@@ -13,10 +13,10 @@ The protocol of one save, whatever the distributed mode:
    can still allocate (its cgroup's limit, the host's available memory), buffers it already
    holds counting as free: a full copy of a large state on a small machine (Colab's free VM
    has 12.7 GB) gets the process killed by the kernel. Where it would take more, the save is
-   written now, in the training thread, from the live tensors; tensors on a GPU (which a
-   blocking save otherwise copies to the host whole) go through a :class:`Stager`'s few
-   small buffers, piece by piece. The files are the same bytes; training waits for the
-   write. The first such save says so in a warning.
+   written now, in the training thread, from the live tensors. The first such save says so
+   in a warning. Whatever is written now, tensors on a GPU go through a :class:`Stager`'s
+   few small pinned buffers, piece by piece, each copied while the one before is written:
+   the files are the same bytes as a copy of the whole state would give.
 3. **Write** (:meth:`Saver.write`): the store writes, commits and verifies the checkpoint;
    the events ``save_started``, ``committed``, ``verified`` (or ``failed``) are emitted, the
    cadence learns the save's cost, and on a write-back store the durability watcher follows
@@ -67,15 +67,9 @@ class Snapshot:
         self.live = True
 
 
-def tensor_bytes(tensors: dict[str, dict[str, Any]], *, on_device: bool = False) -> int:
-    """The bytes of ``tensors`` (with ``on_device``, of the torch tensors outside host memory
-    only: those a blocking save copies to the host)."""
-    return sum(
-        int(value.nbytes)
-        for members in tensors.values()
-        for value in members.values()
-        if not on_device or getattr(getattr(value, "device", None), "type", "cpu") != "cpu"
-    )
+def tensor_bytes(tensors: dict[str, dict[str, Any]]) -> int:
+    """The bytes of ``tensors``."""
+    return sum(int(value.nbytes) for members in tensors.values() for value in members.values())
 
 
 class HostBuffers:
@@ -374,10 +368,11 @@ class Saver:
             self.buffers = HostBuffers()  # what an earlier copy held goes back
 
     def write(self, snapshot: Snapshot) -> CheckpointInfo:
-        """Write, commit and verify ``snapshot`` through the store (its GPU tensors through
-        the :class:`Stager` where copying them to the host whole does not fit in memory)."""
-        on_device = tensor_bytes(snapshot.tensors, on_device=True)
-        stage = None if self._copy_fits(on_device, snapshot.tensors) else self.stager
+        """Write, commit and verify ``snapshot`` through the store, its GPU tensors through
+        the :class:`Stager`: each piece is copied into a pinned buffer while the one before
+        is written, so that a blocking save takes about as long as the write alone, where a
+        copy of the whole state to the host first (into fresh, pageable memory: a page fault
+        per page, and a copy that cannot overlap the write) would add its own time."""
         return self.commit(
             snapshot.step,
             lambda on_committed: self.store.save(
@@ -386,7 +381,7 @@ class Saver:
                 data={STATE_FILE: snapshot.state},
                 metrics=snapshot.metrics,
                 on_committed=on_committed,
-                stage=stage,
+                stage=self.stager,
             ),
         )
 

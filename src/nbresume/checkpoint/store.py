@@ -249,10 +249,22 @@ class CheckpointStore:
         verification; any other :class:`CheckpointError` (the checkpoint does not fit) passes
         it over too, and is raised, the newest one, when no older checkpoint is usable.
         """
+        return self._load(step, framework=framework, check=check)
+
+    def _load(
+        self,
+        step: int | None = None,
+        *,
+        framework: str = "torch",
+        check: Callable[[LoadedCheckpoint], None] | None = None,
+        devices: Mapping[str, Any] | None = None,
+    ) -> LoadedCheckpoint:
+        """:meth:`load`, the tensor files named in ``devices`` (file name -> torch device)
+        read straight onto those devices (a restore into objects on a GPU)."""
 
         def load_one(found_step: int, name: str) -> LoadedCheckpoint | None:
             try:
-                return reading.load_folder(self.backend, found_step, name, framework)
+                return reading.load_folder(self.backend, found_step, name, framework, devices)
             except CorruptCheckpointError:
                 if not self.has_manifest(name):
                     # Never committed (what an interrupted write or deletion leaves on an

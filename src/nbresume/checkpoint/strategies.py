@@ -174,7 +174,8 @@ class OneProcess(Strategy):
             return self.ck.step
         misfits: list[DoesNotFit] = []
         check = self._checker(misfits, apply=True)
-        self._newest(lambda: self.ck.store.load(check=check), misfits)
+        placed = restoring.devices(self.ck._objects)
+        self._newest(lambda: self.ck.store._load(check=check, devices=placed), misfits)
         self.ck._restored = True
         return self.ck.step
 

@@ -377,5 +377,42 @@ def _decode(
     return out
 
 
+def is_device_bytes(buffer: object) -> bool:
+    """Whether ``buffer`` is a file's bytes held in a torch byte tensor (on a device)."""
+    return type(buffer).__module__.startswith("torch")
+
+
+def decode_device(data: Any, *, where: str) -> dict[str, Any]:
+    """Tensors of a safetensors file held in ``data``, a byte tensor on a device: views of
+    it where a tensor's offset suits its dtype (the official layout: always), copies where
+    it does not. A tensor of one element or none (an optimizer's step count) is put in host
+    memory, where a file read into host memory gives it: where such a scalar lives changes
+    what an optimizer does with it."""
+    import torch
+
+    total = int(data.numel())
+    prefix = bytes(data[:8].cpu().numpy()) if total >= 8 else b""
+    end = 8 + header_length(prefix, total, where=where)
+    data_start, specs, _ = parse_header(bytes(data[:end].cpu().numpy()), where=where, total=total)
+    out: dict[str, Any] = {}
+    try:
+        for name, spec in specs.items():
+            dtype = getattr(torch, _DTYPES[spec.dtype][1])
+            start = data_start + spec.start
+            raw = data[start : data_start + spec.end]
+            if start % _DTYPES[spec.dtype][0]:
+                raw = raw.clone()  # a stranger's file: not aligned to its item size
+            if math.prod(spec.shape) <= 1:
+                raw = raw.cpu()
+            out[name] = raw.view(dtype).reshape(spec.shape)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CorruptCheckpointError(
+            f"not a valid safetensors file: a tensor's shape cannot be built ({reason})",
+            where=where,
+        ) from None
+    return out
+
+
 def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
