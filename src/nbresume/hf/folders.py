@@ -22,10 +22,11 @@ Drive reports it for each uploaded file.
 from __future__ import annotations
 
 import contextlib
-import json
+import errno
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ from nbresume.checkpoint.format import (
 from nbresume.checkpoint.hashing import Digests
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.pending import PendingCheckpoint
+from nbresume.checkpoint.reading import MAX_JSON_BYTES, parse_json
 from nbresume.checkpoint.storage import READ_CHUNK
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
@@ -285,15 +287,35 @@ def fsync(path: Path) -> None:
 
 def hash_file(path: Path, algorithm: str, *, md5: bool) -> FileEntry:
     """The size and the ``algorithm`` hash (and with ``md5`` the MD5) of the file ``path`` as
-    it is on disk now, through the core's hashing."""
+    it is on disk now, through the core's hashing. Only a regular file is read
+    (:func:`open_regular`)."""
     digests = Digests(md5=md5, threaded=False, algorithm=algorithm)
     size = 0
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         while chunk := handle.read(READ_CHUNK):
             digests.update(chunk)
             size += len(chunk)
     digest, md5_hex = digests.result()
     return FileEntry(size, digest, md5_hex, algorithm)
+
+
+def open_regular(path: Path) -> IO[bytes]:
+    """``path`` open for reading, when it is a regular file; OSError (``EINVAL``) for anything
+    else, which is never opened: a FIFO would wait forever for a writer, a device such as
+    ``/dev/zero`` never ends, a symbolic link may lead anywhere. The open itself follows no
+    link and never waits, should another file have taken the name since it was looked at."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OSError(
+            errno.EINVAL, "not a regular file (a link, a FIFO, a device, a folder)", str(path)
+        )
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(
+            errno.EINVAL, "not a regular file (a link, a FIFO, a device, a folder)", str(path)
+        )
+    return os.fdopen(fd, "rb")
 
 
 def _algorithm(entry: Mapping[str, Any]) -> str:
@@ -306,11 +328,26 @@ def _algorithm(entry: Mapping[str, Any]) -> str:
 
 
 def framework_files(folder: Path) -> dict[str, dict[str, Any]]:
-    """The framework files that :data:`FILES_NAME` in ``folder`` lists, by name."""
+    """The framework files that :data:`FILES_NAME` in ``folder`` lists, by name (a regular
+    file of at most :data:`~nbresume.checkpoint.reading.MAX_JSON_BYTES`, its nesting bounded;
+    every name a plain file name)."""
+    where = str(folder / FILES_NAME)
     try:
-        files = json.loads((folder / FILES_NAME).read_bytes())["files"]
+        with open_regular(folder / FILES_NAME) as handle:
+            raw = handle.read(MAX_JSON_BYTES + 1)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{FILES_NAME} is missing", where=where) from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read {FILES_NAME}: {exc}", where=where) from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(
+            f"{FILES_NAME} is larger than the limit of {MAX_JSON_BYTES} bytes", where=where
+        )
+    document = parse_json(raw, where=where)
+    try:
+        files = document["files"]
         for name, entry in files.items():
-            if "/" in name or name.startswith(".") or not isinstance(entry["size"], int):
+            if not _is_plain_name(name) or not isinstance(entry["size"], int):
                 raise ValueError(f"{name!r} is not a plain file name with a size")
             try:
                 _algorithm(entry)
@@ -321,6 +358,18 @@ def framework_files(folder: Path) -> dict[str, dict[str, Any]]:
             f"{FILES_NAME} does not list files: {exc}", where=str(folder)
         ) from None
     return dict(files)
+
+
+def _is_plain_name(name: str) -> bool:
+    """A file name a folder can hold, as the framework writes them: no path, not hidden, no
+    control character (a NUL byte cannot name a file at all)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and "/" not in name
+        and not name.startswith(".")
+        and name.isprintable()
+    )
 
 
 #: Why a framework folder without a manifest is not a checkpoint to rely on.
@@ -358,12 +407,33 @@ def verify(store: CheckpointStore, info: CheckpointInfo) -> str:
         algorithm = _algorithm(entry)
         try:
             got = hash_file(folder / name, algorithm, md5=False)
+        except FileNotFoundError:
+            return f"{name}: the file is missing"
         except OSError as exc:
-            return f"{name}: cannot read it: {exc}"
+            return f"{name}: cannot read it: {exc.strerror or exc}"
         except CheckpointError as exc:  # an XXH3-128 entry where xxhash is not installed
             return f"{name}: {exc}"
         if got.size != entry["size"]:
             return f"{name}: {got.size} bytes, the checkpoint recorded {entry['size']}"
         if got.digest != entry[algorithm]:
             return f"{name}: its bytes differ from the ones recorded at the save ({algorithm})"
+    return unlisted(folder, {MANIFEST_NAME, *info.manifest.files, *listed})
+
+
+def unlisted(folder: Path, names: set[str]) -> str:
+    """The problem of an entry of ``folder`` that none of ``names`` is (``""``: none): the
+    framework loads what its folder holds, so a file added after the save (a ``scaler.pt``
+    the resume would load) makes the folder something nbresume never verified. Hidden names
+    are no part of a checkpoint (no framework loads them)."""
+    try:
+        present = sorted(os.listdir(folder))
+    except OSError as exc:
+        return f"cannot list the folder: {exc.strerror or exc}"
+    extra = [n for n in present if n not in names and not n.startswith(".")]
+    if extra:
+        shown = ", ".join(repr(n) if not n.isprintable() else n for n in extra[:5])
+        return (
+            f"{shown}: not recorded at the save (added to the folder since), and the framework "
+            "would load what its folder holds; remove it, or resume from this folder explicitly"
+        )
     return ""

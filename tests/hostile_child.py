@@ -1,0 +1,93 @@
+"""Run what a user runs on a checkpoint folder in a process of bounded memory; report.
+
+``python hostile_child.py LIMIT OP ARG [OP ARG ...]``: the address space is limited to LIMIT
+bytes (``RLIMIT_AS``) before anything is imported, then each operation runs in turn:
+
+- ``verify DIR``: ``nbresume verify DIR``;
+- ``hf DIR``: ``nbresume.hf.last_checkpoint(DIR)``;
+- ``lightning DIR``: ``nbresume.lightning.last_checkpoint(DIR)``;
+- ``restore DIR``: ``Checkpointer(DIR, model=..., optimizer=...).restore()`` of :func:`build`;
+- ``pull SRC:DST``: ``nbresume pull SRC DST``.
+
+Prints one JSON line: for each operation its exit status or result, what it printed and the
+warnings it gave; then the peak resident memory. Anything raised escapes (a traceback, and a
+status that is not 0): the test makes the assertions, the parent kills a run that hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import resource
+import sys
+import warnings
+from typing import Any
+
+
+def build(seed: int = 0) -> tuple[Any, Any]:
+    """The model and optimizer of the runs the tests save and this child restores."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def run(op: str, arg: str) -> dict[str, Any]:
+    from nbresume.cli import main
+
+    out = io.StringIO()
+    result: Any = None
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
+        warnings.simplefilter("always")
+        with contextlib.redirect_stderr(out):
+            if op == "verify":
+                result = main(["verify", arg])
+            elif op == "pull":
+                src, dst = arg.split(":")
+                result = main(["pull", src, dst])
+            elif op == "hf":
+                import nbresume.hf
+
+                result = nbresume.hf.last_checkpoint(arg)
+            elif op == "lightning":
+                from pathlib import Path
+
+                # What nbresume.lightning.last_checkpoint returns, without importing Lightning.
+                from nbresume.frameworks.layout import newest_ckpt
+
+                found = newest_ckpt([Path(arg)]).path
+                result = None if found is None else str(found)
+            elif op == "restore":
+                from nbresume import Checkpointer
+
+                model, optimizer = build(seed=1)
+                ckpt = Checkpointer(
+                    arg, model=model, optimizer=optimizer, every=None, deadline=None,
+                    async_save=False, keep=None,
+                )  # fmt: skip
+                result = ckpt.restore()
+                ckpt.close()
+            else:
+                raise SystemExit(f"unknown operation {op!r}")
+    return {
+        "op": op,
+        "result": result,
+        "out": out.getvalue(),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def main() -> None:
+    limit = int(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    args = sys.argv[2:]
+    reports = [run(op, arg) for op, arg in zip(args[::2], args[1::2], strict=True)]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"reports": reports, "peak": peak}))
+
+
+if __name__ == "__main__":
+    main()
