@@ -28,7 +28,9 @@ import pytest
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.lease import LEASE_NAME
-from nbresume.errors import CheckpointError, FolderInUseError, LeaseLostError
+from nbresume.checkpoint.lease_holder import this_process
+from nbresume.cli import main as cli_main
+from nbresume.errors import CheckpointError, FolderInUseError, LeaseLostError, StorageError
 
 HERE = Path(__file__).resolve().parent
 
@@ -359,6 +361,162 @@ def test_a_closed_checkpointer_does_not_take_the_folder_from_a_newer_one(tmp_pat
     assert new.save(step=2, block=True) is not None
     assert [i.step for i in CheckpointStore(folder).list()] == [2]
     new.close()
+
+
+# -- lease files nbresume did not write ----------------------------------------------------------
+
+
+def this_machine() -> dict[str, str]:
+    """The host and machine fields a lease written on this machine carries."""
+    folder_lease = this_process("", 0.0, 180.0, "")
+    return {"host": folder_lease.host, "machine": folder_lease.machine}
+
+
+# Each is a lease file as a hostile or broken writer could leave it: a value nbresume never
+# writes. Each is a lease that cannot be read, and is taken over like a stale one.
+ODD_LEASES = {
+    "renewed NaN": '{"token": "t", "host": "gpu-box-7.example", "pid": 4242, "renewed": NaN}',
+    "since Infinity": (
+        '{"token": "t", "host": "gpu-box-7.example", "pid": 4242, "since": Infinity, '
+        f'"renewed": {time.time()}}}'
+    ),
+    "renewed 1e300": '{"token": "t", "host": "gpu-box-7.example", "pid": 4242, "renewed": 1e300}',
+    "pid 2**62 on this machine": json.dumps(
+        {"token": "t", **this_machine(), "pid": 2**62, "renewed": time.time()}
+    ),
+    "pid as text": json.dumps(
+        {"token": "t", "host": "gpu-box-7.example", "pid": "4242", "renewed": time.time()}
+    ),
+    "host as a list": json.dumps(
+        {"token": "t", "host": ["gpu-box-7"], "pid": 4242, "renewed": time.time()}
+    ),
+}
+
+
+@pytest.mark.parametrize("lease", ODD_LEASES.values(), ids=ODD_LEASES.keys())
+def test_a_lease_file_holding_values_nbresume_never_writes_is_taken_over(
+    tmp_path: Path,
+    lease: str,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / LEASE_NAME).write_text(lease)
+    assert cli_main(["prune", str(folder), "--keep", "1"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert not (folder / LEASE_NAME).exists()
+
+    (folder / LEASE_NAME).write_text(lease)
+    counter = Counter()
+    with caplog.at_level(logging.WARNING, logger="nbresume"):
+        ckpt = Checkpointer(folder, counter=counter, **QUIET)
+    assert "took over the writer lease" in caplog.text
+    assert "its lease file cannot be read" in caplog.text
+    counter.n = 1
+    assert ckpt.save(step=1, block=True) is not None
+    assert lease_file(folder)["pid"] == os.getpid()
+    ckpt.close()
+    assert [i.step for i in CheckpointStore(folder).list()] == [1]
+
+
+def plant(path: Path, kind: str, elsewhere: Path) -> None:
+    if kind == "a named pipe (FIFO)":
+        os.mkfifo(path)
+    elif kind == "a folder":
+        path.mkdir()
+        (path / "notes.txt").write_text("a user's file")
+    else:  # a link to a lease that looks fresh: never followed
+        elsewhere.write_bytes(lease_of_another_host(renewed_ago=0))
+        path.symlink_to(elsewhere)
+
+
+@pytest.mark.timeout(60)  # a FIFO opened for reading would wait here forever
+@pytest.mark.parametrize("kind", ["a named pipe (FIFO)", "a folder", "a symbolic link"])
+def test_something_else_in_the_lease_files_place_is_named_with_the_fix(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    path = folder / LEASE_NAME
+    plant(path, kind, tmp_path / "elsewhere.json")
+    fix = "mv " if kind == "a folder" else "rm "
+
+    ckpt = Checkpointer(folder, counter=Counter(), **QUIET)
+    assert ckpt.restore() == 0  # reading needs no lease
+    with pytest.raises(StorageError) as refused:
+        ckpt.save(step=1, block=True)
+    assert refused.value.where == str(path)
+    assert f"is {kind}, not a file" in str(refused.value)
+    assert fix + str(path) in refused.value.fix
+    ckpt.close()
+
+    assert cli_main(["prune", str(folder), "--keep", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"{path} is {kind}" in err
+    assert fix + str(path) in err
+    assert "Traceback" not in err
+    # Left as it was: nbresume removes nothing it did not make.
+    assert path.is_symlink() if kind == "a symbolic link" else path.exists()
+    assert sorted(os.listdir(folder)) == [LEASE_NAME]
+
+
+def lease_from_a_clock_ahead(*, renewed: float, expiry_s: float) -> bytes:
+    document = json.loads(lease_of_another_host(renewed_ago=0))
+    document.update(renewed=renewed, expiry_s=expiry_s)
+    return json.dumps(document).encode()
+
+
+def test_a_lease_dated_in_the_future_is_judged_by_its_renewals_not_its_date(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    in_2096 = time.time() + 70 * 365.25 * 86400
+    # Its holder's clock said 2096 and the holder is gone: no renewal comes within the
+    # lease's expiry (2 s here), by this machine's clock.
+    (folder / LEASE_NAME).write_bytes(lease_from_a_clock_ahead(renewed=in_2096, expiry_s=2))
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="nbresume"):
+        ckpt = Checkpointer(folder, counter=Counter(), **QUIET)
+    assert 2 <= time.monotonic() - started < 30
+    assert "dated ahead of this machine's clock" in caplog.text
+    assert "not renewed while this process watched it for 2 s" in caplog.text
+    assert ckpt.save(step=1, block=True) is not None
+    assert lease_file(folder)["pid"] == os.getpid()
+    ckpt.close()
+
+
+def test_a_lease_dated_in_the_future_and_still_renewed_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    path = folder / LEASE_NAME
+    ahead = 3 * 3600.0
+    path.write_bytes(lease_from_a_clock_ahead(renewed=time.time() + ahead, expiry_s=5))
+    document = json.loads(path.read_bytes())
+    stop = threading.Event()
+
+    def holder_renews() -> None:  # the live holder on the machine whose clock is ahead
+        while not stop.wait(0.5):
+            document["renewed"] = time.time() + ahead
+            aside = folder / "renewal.tmp"
+            aside.write_text(json.dumps(document))
+            os.replace(aside, path)
+
+    renewing = threading.Thread(target=holder_renews, daemon=True)
+    renewing.start()
+    try:
+        with pytest.raises(FolderInUseError) as refused:
+            Checkpointer(folder, **QUIET)
+    finally:
+        stop.set()
+        renewing.join()
+    assert "pid 4242 on host 'gpu-box-7.example'" in str(refused.value)
+    assert "clock is 3 h" in refused.value.fix
+    assert "ahead of this one's" in refused.value.fix
+    assert "expires at" not in refused.value.fix  # no date decades away
+    assert json.loads(path.read_bytes())["token"] == document["token"]  # the holder keeps it
+    assert os.listdir(folder) == [LEASE_NAME]
 
 
 # -- readers -----------------------------------------------------------------------------------

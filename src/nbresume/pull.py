@@ -54,7 +54,12 @@ from nbresume.checkpoint.format import (
 )
 from nbresume.checkpoint.hashing import Digests, check_hashes, read_header
 from nbresume.checkpoint.lease import LEASE_NAME, live_holder
-from nbresume.checkpoint.lease_holder import Holder, format_utc, this_process
+from nbresume.checkpoint.lease_holder import (
+    FUTURE_TOLERANCE_S,
+    Holder,
+    format_utc,
+    this_process,
+)
 from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, open_store
 from nbresume.checkpoint.store import CheckpointStore, VerifyResult
 from nbresume.checkpoint.units import format_bytes
@@ -631,6 +636,12 @@ def _describe_writer(holder: Holder) -> str:
     said = holder.describe()
     if (holder.host, holder.machine) == (me.host, me.machine):
         return said  # its process was looked at: it runs
+    if holder.renewed - time.time() > FUTURE_TOLERANCE_S:
+        return (
+            f"{said} (its lease is dated ahead of this machine's clock, so its date says "
+            "nothing: it counts as live until a writer started on the folder sees it go "
+            f"{holder.expiry_s:.0f} s without a renewal)"
+        )
     lapses = format_utc(holder.renewed + holder.expiry_s)
     return (
         f"{said} (its process cannot be looked at from here: if it was killed, its lease "

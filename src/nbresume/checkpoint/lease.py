@@ -20,6 +20,18 @@ A lease whose holder is gone is taken over, with a warning:
   from a daemon thread, and a lease not renewed for :data:`LEASE_EXPIRY_S` seconds (the
   store's ``lease_expiry_s`` where it sets one: Drive's sync is slower) is stale. This
   compares the holder's clock with ours: clocks must agree to well within the expiry.
+  A lease renewed more than :data:`~nbresume.checkpoint.lease_holder.FUTURE_TOLERANCE_S`
+  ahead of our clock (a holder whose clock is wrong) is not judged by its date: the writer
+  watches it, and takes it over as stale only if it is not renewed within its expiry by our
+  own clock; renewed meanwhile, its holder runs and the writer is refused.
+
+A lease file is data from anywhere, and read as such: one that does not parse, or holds a
+value nbresume never writes (a time that is not finite or out of range, a pid no process can
+have, a field of another type), is a lease that cannot be read, and is taken over as stale.
+Something else in the lease file's place in a local folder (a folder, a named pipe, a
+symbolic link) is never opened or followed, and never removed: taking the lease (at the first
+save, as for a folder that cannot be written, or by ``nbresume prune``) fails with an error
+that names it and the fix.
 
 Taking the lease:
 
@@ -63,6 +75,7 @@ from typing import Any
 
 from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.lease_holder import (
+    FUTURE_TOLERANCE_S,
     LEASE_EXPIRY_S,
     Holder,
     format_utc,
@@ -70,6 +83,7 @@ from nbresume.checkpoint.lease_holder import (
     this_process,
 )
 from nbresume.checkpoint.storage import Store
+from nbresume.checkpoint.units import format_duration
 from nbresume.errors import FolderInUseError, LeaseLostError, StorageError
 
 log = logging.getLogger("nbresume")
@@ -82,6 +96,8 @@ LEASE_RENEW_S = 30.0
 LEASE_SETTLE_S = 1.0
 #: Reads of a lease file that does not parse (a create caught between open and write).
 _READ_TRIES = 5
+#: Seconds between two looks at a lease dated in the future, while waiting for its renewal.
+_WATCH_POLL_S = 1.0
 
 _HELD, _RELEASED, _LOST = "held", "released", "lost"
 
@@ -237,9 +253,22 @@ class WriterLease:
                 continue  # created by another writer in between: look at it
             me = self._mine()
             if current is None:
-                verdict, why = "stale", "its lease file cannot be read"
+                verdict, why = "stale", "its lease file cannot be read (damaged, or not nbresume's)"
             else:
                 verdict, why = judge(current, me, time.time())
+            if verdict == "future" and current is not None:
+                watched = self._watch(current, raw)
+                if watched is None:
+                    holder = self._read()[0]
+                    if holder is not None and holder.token == current.token:
+                        raise self._in_use(holder, me)  # renewed while watched: it runs
+                    continue  # another writer's lease now, or none: look at it
+                ahead = format_duration(current.renewed - time.time())
+                verdict = "stale"
+                why = (
+                    f"its last renewal is dated {ahead} ahead of this machine's clock, and it "
+                    f"was not renewed while this process watched it for {watched:.0f} s"
+                )
             if current is not None and (
                 verdict == "live"
                 or (verdict == "self" and not replace_own and _held_here(current.token))
@@ -272,6 +301,25 @@ class WriterLease:
             holder=current,
         )
 
+    def _watch(self, holder: Holder, raw: bytes) -> float | None:
+        """Watch a lease dated in the future for its holder's next renewal, for the lease's
+        expiry by this machine's clock: ``None`` when it changed (renewed, or taken), else the
+        seconds watched."""
+        seconds = min(holder.expiry_s, self.expiry_s)
+        log.warning(
+            "nbresume: the writer lease of %s is dated ahead of this machine's clock (%s); "
+            "waiting up to %.0f s for its holder to renew it",
+            self.where,
+            holder.describe(),
+            seconds,
+        )
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(_WATCH_POLL_S, left))
+            if self.store.read_small(LEASE_NAME) != raw:
+                return None
+        return seconds
+
     def _in_use(self, holder: Holder, me: Holder) -> FolderInUseError:
         here = holder.host == me.host and holder.machine == me.machine
         fix = (
@@ -279,7 +327,14 @@ class WriterLease:
             "another dir=. To only read the checkpoints, `nbresume ls`, `nbresume verify` and "
             "CheckpointStore(dir).load() need no lease"
         )
-        if not here:
+        ahead = holder.renewed - time.time()
+        if not here and ahead > FUTURE_TOLERANCE_S:
+            fix += (
+                f". That machine's clock is {format_duration(ahead)} ahead of this one's: set "
+                "it right. If that machine is gone, a writer started after it stopped renewing "
+                f"its lease takes over within {holder.expiry_s:.0f} s"
+            )
+        elif not here:
             fix += (
                 f". If that machine is gone, its lease expires at "
                 f"{format_utc(holder.renewed + holder.expiry_s)} ({holder.expiry_s:.0f} s after "
@@ -465,8 +520,9 @@ def current_holder(store: Store) -> Holder | None:
 def live_holder(store: Store, now: float | None = None) -> Holder | None:
     """The live writer that holds the lease of ``store``, judged as a writer taking the lease
     would judge it (on this machine: its process still runs; from another: renewed within
-    the lease's expiry); ``None`` when no lease is there or its holder is gone. A reader's
-    question (``nbresume pull``): one small read, nothing taken or written."""
+    the lease's expiry, or dated ahead of this machine's clock); ``None`` when no lease is
+    there or its holder is gone. A reader's question (``nbresume pull``): one small read,
+    nothing taken or written."""
     holder: Holder | None = None
     for attempt in range(_READ_TRIES):
         raw = store.read_small(LEASE_NAME)
@@ -481,7 +537,8 @@ def live_holder(store: Store, now: float | None = None) -> Holder | None:
     now = time.time() if now is None else now
     me = this_process("", now, holder.expiry_s, "")
     verdict, _ = judge(holder, me, now)
-    return None if verdict == "stale" else holder  # "self": this very process writes there
+    # "self": this very process writes there; "future": a reader does not wait to watch it.
+    return None if verdict == "stale" else holder
 
 
 def _release_all() -> None:

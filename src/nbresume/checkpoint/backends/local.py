@@ -19,6 +19,7 @@ import errno
 import functools
 import io
 import os
+import shlex
 import shutil
 import stat
 from collections.abc import Mapping
@@ -240,12 +241,10 @@ class LocalStore(Backend):
 
     def open_read(self, folder: str, name: str) -> IO[bytes]:
         path = self.root / folder / name
-        # Only regular files: opening a planted FIFO would wait forever for a writer.
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        # O_NOFOLLOW: a planted symlink must not make us read a file outside the checkpoint.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        return os.fdopen(fd, "rb")
+        kind = _open_regular(path)
+        if isinstance(kind, str):
+            raise OSError(errno.EINVAL, f"not a regular file but {kind}", str(path))
+        return kind
 
     def delete(self, folder: str) -> None:
         # One atomic rename takes the checkpoint out of every reader's view, durably before
@@ -296,13 +295,30 @@ class LocalStore(Backend):
         return FreeSpace(st.f_bavail * st.f_frsize, inodes)
 
     def read_small(self, name: str) -> bytes | None:
+        path = self.root / name
         try:
-            with self.open_read("", name) as handle:
-                return handle.read(SMALL_FILE_LIMIT)
+            opened = _open_regular(path)
         except FileNotFoundError:
             return None
         except NotADirectoryError:
             raise self._not_a_folder() from None
+        if isinstance(opened, str):
+            # nbresume never makes one, and never removes what it did not make.
+            shown = shlex.quote(str(path))
+            if opened == "a folder":
+                move = f"move that folder elsewhere (mv {shown} SOMEWHERE)"
+            elif opened == "a symbolic link":
+                move = f"remove the link (rm {shown}; what it points to stays)"
+            else:
+                move = f"remove it (rm {shown})"
+            raise StorageError(
+                f"{path} is {opened}, not a file: nbresume keeps its writer lease in a small "
+                "file of its own under this name",
+                where=str(path),
+                fix=f"{move}, then run again: nbresume creates the file itself",
+            )
+        with opened as handle:
+            return handle.read(SMALL_FILE_LIMIT)
 
     def create_small(self, name: str, data: bytes) -> bool:
         self._make_root()
@@ -331,6 +347,44 @@ class LocalStore(Backend):
     def remove_small(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.root / name)
+
+
+def _open_regular(path: Path) -> IO[bytes] | str:
+    """``path`` open for reading when it is a regular file, else what it is (``"a folder"``,
+    ``"a named pipe (FIFO)"``, ...). Other files are never opened: a FIFO would wait forever
+    for a writer, a device may act on being opened, a symbolic link may lead out of the
+    folder. The open itself takes no symbolic link and never waits, should another file have
+    taken the name since it was looked at."""
+    kind = _kind(os.lstat(path).st_mode)
+    if kind:
+        return kind
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            return "a symbolic link"
+        raise
+    kind = _kind(os.fstat(fd).st_mode)
+    if kind:
+        os.close(fd)
+        return kind
+    return os.fdopen(fd, "rb")
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words; ``""`` for a regular file."""
+    if stat.S_ISREG(mode):
+        return ""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device file"
 
 
 _FSYNC_REFUSED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES}
