@@ -33,6 +33,7 @@ from benchmarks import (
     bench_lightning,
     bench_preflight,
     bench_trainable,
+    gpu,
     kill,
     loop,
     report,
@@ -162,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         const="tiny",
         help="a few MB, one kill per tool: checks that everything runs",
     )
+    mode.add_argument(
+        "--gpu",
+        dest="mode",
+        action="store_const",
+        const="gpu",
+        help="the state on a GPU (about 2 GB): saves, async saves, cold restores into the "
+        "model, loop overhead; at most 8 minutes; a dry run without CUDA",
+    )
     parser.add_argument("--tools", help="comma-separated subset, e.g. 'nbresume,DCP async'")
     parser.add_argument("--suites", help=f"comma-separated subset of {','.join(SUITES)}")
     parser.add_argument("--dir", type=Path, help="scratch folder on the disk to measure "
@@ -174,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         serve(WORK, ZYGOTE_IMPORTS)
         return 0
     name = args.mode or "quick"
+    if name == "gpu":
+        given = sys.argv[1:] if argv is None else argv
+        return gpu.main(args.out, args.dir, " ".join(["python -m benchmarks", *given]))
     config = MODES[name]
     tools = TOOLS
     if args.tools:
@@ -263,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     # a page of an earlier run must not stand beside this one's
     stale = [out / page for page in PAGES.values() if page not in written]
     if docs is not None:
-        stale += [path for path in out.iterdir() if path.is_file() and path.name not in written]
+        stale += [
+            path
+            for path in out.iterdir()
+            if path.is_file() and path.name not in written and path.name not in gpu.PAGES
+        ]  # the GPU suite's pages come from runs of their own (--gpu)
     for path in sorted(set(stale)):
         if path.exists():
             path.unlink()

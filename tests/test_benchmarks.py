@@ -5,6 +5,7 @@ the results the runner writes, not in assertions."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,18 @@ def test_a_tool_whose_library_is_missing_is_reported_not_run(tmp_path: Path) -> 
     summary = {"tools": {"absent": {"is_async": False, "fsync": True}}, "stall": results}
     summary["summary"] = report.summary_rows(summary)
     assert "| absent | not installed |" in "\n".join(report.summary_table(summary))
+
+
+def test_the_gpu_suite_without_a_gpu_is_a_dry_run(tmp_path: Path) -> None:
+    """``python -m benchmarks --gpu`` where torch sees no CUDA device: it says so, measures
+    and writes nothing, and exits 0."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("NBRESUME_GPU_BENCH_DEVICE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--gpu", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no CUDA GPU found" in proc.stdout
+    assert "nothing measured" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
