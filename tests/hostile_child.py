@@ -7,6 +7,7 @@ bytes (``RLIMIT_AS``) before anything is imported, then each operation runs in t
 - ``hf DIR``: ``nbresume.hf.last_checkpoint(DIR)``;
 - ``lightning DIR``: ``nbresume.lightning.last_checkpoint(DIR)``;
 - ``restore DIR``: ``Checkpointer(DIR, model=..., optimizer=...).restore()`` of :func:`build`;
+- ``load DIR``: ``CheckpointStore(DIR).load()`` (what Lightning's ``CheckpointIO`` loads);
 - ``pull SRC:DST``: ``nbresume pull SRC DST``.
 
 Prints one JSON line: for each operation its exit status or result, what it printed and the
@@ -35,6 +36,27 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
+def restore(op: str, folder: str) -> int | str:
+    """The step restored, or the error that said no checkpoint is usable."""
+    from nbresume import Checkpointer, CheckpointStore
+    from nbresume.errors import NoCheckpointError
+
+    try:
+        if op == "load":
+            return CheckpointStore(folder, keep=None).load().step
+        model, optimizer = build(seed=1)
+        ckpt = Checkpointer(
+            folder, model=model, optimizer=optimizer, every=None, deadline=None,
+            async_save=False, keep=None,
+        )  # fmt: skip
+        try:
+            return ckpt.restore()
+        finally:
+            ckpt.close()
+    except NoCheckpointError as exc:
+        return f"error: {exc}"
+
+
 def run(op: str, arg: str) -> dict[str, Any]:
     from nbresume.cli import main
 
@@ -60,16 +82,8 @@ def run(op: str, arg: str) -> dict[str, Any]:
 
                 found = newest_ckpt([Path(arg)]).path
                 result = None if found is None else str(found)
-            elif op == "restore":
-                from nbresume import Checkpointer
-
-                model, optimizer = build(seed=1)
-                ckpt = Checkpointer(
-                    arg, model=model, optimizer=optimizer, every=None, deadline=None,
-                    async_save=False, keep=None,
-                )  # fmt: skip
-                result = ckpt.restore()
-                ckpt.close()
+            elif op in ("restore", "load"):
+                result = restore(op, arg)
             else:
                 raise SystemExit(f"unknown operation {op!r}")
     return {

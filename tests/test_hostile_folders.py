@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -20,10 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import safetensors.numpy
 from tests.test_loadable import reseal
 
 from nbresume.hf.folders import FILES_NAME, commit_folder, open_store
+from nbresume.pull import SAFE_LINE
 
 CHILD = Path(__file__).with_name("hostile_child.py")
 #: The child's address space: torch and nbresume take about 0.7 GB of it; what a hostile
@@ -137,3 +141,192 @@ def test_a_hostile_trainer_checkpoint_is_failed_and_passed_over_in_bounded_time(
     assert "OK    checkpoint-2" in verify["out"]
     assert found["result"] == str(out / "checkpoint-2")
     assert any("checkpoint-4" in w and victim.split(".")[0] in w for w in found["warnings"])
+
+
+# -- a Checkpointer's run -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run saved at steps 10 and 20 from the model :func:`hostile_child.build` makes."""
+    from tests.hostile_child import build
+
+    from nbresume import Checkpointer
+
+    folder = tmp_path_factory.mktemp("template") / "run"
+    model, optimizer = build()
+    ckpt = Checkpointer(
+        folder, model=model, optimizer=optimizer, every=None, deadline=None,
+        async_save=False, keep=None, quiet=True,
+    )  # fmt: skip
+    ckpt.save(10)
+    ckpt.save(20)
+    ckpt.close()
+    return folder
+
+
+@pytest.fixture
+def run(tmp_path: Path, run_template: Path) -> Path:
+    folder = tmp_path / "run"
+    shutil.copytree(run_template, folder)
+    return folder
+
+
+def edit_rng(folder: Path, change: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
+    """Change the generator states (``state.json``'s tree, ``rng.safetensors``' arrays) of the
+    checkpoint ``folder`` and reseal its manifest: only the states' values betray it."""
+    state = json.loads((folder / "state.json").read_text())
+    arrays = safetensors.numpy.load_file(folder / "rng.safetensors")
+    change(state["rng"], arrays)
+    (folder / "state.json").write_text(json.dumps(state))
+    safetensors.numpy.save_file(arrays, folder / "rng.safetensors")
+    reseal(folder)
+
+
+def torch_state_key(tree: dict[str, Any]) -> str:
+    key: str = tree["torch"]["key"]
+    return key
+
+
+def torch_position(tree: dict[str, Any], arrays: dict[str, Any]) -> None:
+    # `left`, the Mersenne Twister's position, out of its range 1..624: torch refuses the state.
+    raw = bytearray(arrays[torch_state_key(tree)].tobytes())
+    raw[8:12] = (0).to_bytes(4, "little")
+    arrays[torch_state_key(tree)] = np.frombuffer(bytes(raw), dtype=np.uint8).copy()
+
+
+def torch_size(tree: dict[str, Any], arrays: dict[str, Any]) -> None:
+    key = torch_state_key(tree)
+    arrays[key] = arrays[key][:-8].copy()
+    tree["torch"]["shape"] = [arrays[key].size]
+
+
+def cuda_offset(tree: dict[str, Any], arrays: dict[str, Any]) -> None:
+    # A CUDA state whose Philox offset is not a multiple of 4: torch refuses it, on a GPU only.
+    state = (7).to_bytes(8, "little") + (6).to_bytes(8, "little")
+    arrays["cuda/0"] = np.frombuffer(state, dtype=np.uint8).copy()
+    tree["cuda"] = [{"$t": "tensor", "key": "cuda/0", "dtype": "U8", "shape": [16]}]
+
+
+def python_position(tree: dict[str, Any], arrays: dict[str, Any]) -> None:
+    tree["python"]["items"][1]["items"][-1] = 625
+
+
+RNG_DAMAGES: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
+    "torch CPU state position out of range": torch_position,
+    "torch CPU state of another size": torch_size,
+    "CUDA state offset not a multiple of 4": cuda_offset,
+    "Python random position out of range": python_position,
+}
+
+
+@pytest.mark.parametrize("damage", list(RNG_DAMAGES))
+def test_an_rng_state_that_cannot_be_applied_fails_verify_and_restore_takes_the_one_before(
+    run: Path, tmp_path: Path, damage: str
+) -> None:
+    edit_rng(run / "000000000020", RNG_DAMAGES[damage])
+    verify, restored, pulled = bounded(
+        ("verify", run), ("restore", run), ("pull", f"{run}:{tmp_path / 'pulled'}")
+    )
+    assert verify["result"] == 1, verify["out"]
+    lines = failed_lines(verify)
+    assert len(lines) == 1, verify["out"]
+    assert "000000000020" in lines[0], verify["out"]
+    assert "RNG state cannot be restored" in lines[0], verify["out"]
+    assert "OK    000000000010" in verify["out"]
+    assert restored["result"] == 10
+    skipped = [w for w in restored["warnings"] if "skipped" in w]
+    assert len(skipped) == 1, skipped
+    assert "RNG state cannot be restored" in skipped[0], skipped
+    assert pulled["result"] == 1, pulled["out"]
+    assert SAFE_LINE not in pulled["out"]
+
+
+# -- a Lightning ModelCheckpoint folder ---------------------------------------------------------
+
+
+def lightning_ckpt(folder: Path, step: int) -> Path:
+    """A ``.ckpt`` folder as ``nbresume.lightning.CheckpointIO`` writes it (without Lightning)."""
+    import torch
+
+    from nbresume import CheckpointStore
+    from nbresume.checkpoint.state import flatten
+
+    checkpoint = {"global_step": step, "state_dict": {"w": torch.full((3,), float(step))}}
+    tree, tensors = flatten(checkpoint, name="checkpoint")
+    document = {"format": "nbresume-lightning", "version": 1, "checkpoint": tree}
+    info = CheckpointStore(folder, keep=None).save(
+        step, tensors={"tensors": tensors}, data={"checkpoint": document}
+    )
+    return Path(info.location)
+
+
+def edit_document(change: Callable[[dict[str, Any]], Any]) -> Callable[[Path], None]:
+    def damage(folder: Path) -> None:
+        path = folder / "checkpoint.json"
+        document = json.loads(path.read_text())
+        path.write_text(json.dumps(change(document)))
+        reseal(folder)
+
+    return damage
+
+
+def deep(document: dict[str, Any]) -> str:
+    # Deeper than Python's recursion limit: json.loads itself raises RecursionError.
+    return (
+        '{"format": "nbresume-lightning", "version": 1, "checkpoint": '
+        + "[" * 100_000
+        + "]" * 100_000
+        + "}"
+    )
+
+
+def deep_document(folder: Path) -> None:
+    (folder / "checkpoint.json").write_text(deep({}))
+    reseal(folder)
+
+
+LIGHTNING_DAMAGES: dict[str, Callable[[Path], None]] = {
+    "another format": edit_document(lambda d: {**d, "format": "nbresume-lightnin"}),
+    "a future version": edit_document(lambda d: {**d, "version": 2}),
+    "not a dictionary": edit_document(lambda d: {**d, "checkpoint": [1, 2]}),
+    "a tensor missing": edit_document(
+        lambda d: {**d, "checkpoint": {**d["checkpoint"], "extra": {"$t": "tensor", "key": "gone"}}}
+    ),
+    "nested 100 000 deep": deep_document,
+}
+
+
+@pytest.mark.parametrize("damage", list(LIGHTNING_DAMAGES))
+def test_a_lightning_checkpoint_that_does_not_load_fails_verify_and_is_passed_over(
+    tmp_path: Path, damage: str
+) -> None:
+    folder = tmp_path / "checkpoints"
+    lightning_ckpt(folder / "epoch=0-step=2.ckpt", 2)
+    LIGHTNING_DAMAGES[damage](lightning_ckpt(folder / "epoch=0-step=4.ckpt", 4))
+    verify, found, loaded = bounded(
+        ("verify", folder), ("lightning", folder), ("load", folder / "epoch=0-step=4.ckpt")
+    )
+    assert verify["result"] == 1, verify["out"]
+    lines = failed_lines(verify)
+    assert len(lines) == 1, verify["out"]
+    assert "epoch=0-step=4.ckpt" in lines[0], verify["out"]
+    assert "invalid saved state" in lines[0] or "checkpoint.json" in lines[0], verify["out"]
+    assert "OK    epoch=0-step=2.ckpt" in verify["out"]
+    assert found["result"] == str(folder / "epoch=0-step=2.ckpt")
+    assert str(loaded["result"]).startswith("error: no checkpoint verifies"), loaded
+
+
+def test_a_deep_lightning_document_beside_the_checkpoints_never_breaks_a_resume(
+    tmp_path: Path,
+) -> None:
+    # The resume reads every .ckpt folder's document beside the one it resumes (to find what
+    # Lightning's retention removes): one nested too deep is not this run's, never an error.
+    pytest.importorskip("lightning")
+    from nbresume.lightning.checkpoint_io import read_document
+
+    folder = tmp_path / "checkpoints"
+    good = lightning_ckpt(folder / "epoch=0-step=2.ckpt", 2).parent
+    deep_document(lightning_ckpt(folder / "epoch=0-step=4.ckpt", 4))
+    assert read_document(folder / "epoch=0-step=4.ckpt") is None
+    assert read_document(good)["checkpoint"]["global_step"] == 2

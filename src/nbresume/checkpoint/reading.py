@@ -34,8 +34,8 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
+from nbresume.checkpoint import lightning_format, tensorfile
 from nbresume.checkpoint import state as state_document
-from nbresume.checkpoint import tensorfile
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -247,6 +247,15 @@ def check_contents(store: Store, name: str, manifest: Manifest, heads: Mapping[s
             _, specs[stem], _ = tensorfile.parse_header(head, where=where, total=total)
         else:
             documents[stem] = parse_json(head, where=where)
+    rng = f"{RNG_FILE}.safetensors"
+    if rng in heads:
+        # The generator states are checked from their bytes, as a load checks them.
+        where = store.child(name, rng)
+        raw = read_verified(store, name, {rng: manifest.files[rng]})[rng]
+        try:
+            specs[RNG_FILE] = tensorfile.decode(raw, where=where, framework="numpy")
+        except CheckpointError as exc:
+            raise CorruptCheckpointError(exc.message, where=where) from None
     decode_state(documents, specs, where=store.child(name, f"{STATE_FILE}.json"))
 
 
@@ -489,7 +498,15 @@ def decode_state(
     """A Checkpointer's ``state.json`` checked against the tensors it refers to (``None``
     when the checkpoint has none: a store user's own files). A ``state.json`` next to an
     ``rng.safetensors`` is a Checkpointer's whatever it holds, so that a document replaced
-    by something else entirely is refused here too."""
+    by something else entirely is refused here too. A Lightning checkpoint's document is
+    checked as its load checks it (:mod:`~nbresume.checkpoint.lightning_format`)."""
+    folder = where.rsplit("/", 1)[0]
+    if lightning_format.is_lightning(documents, folder):
+        lightning_format.decode(
+            documents[lightning_format.DOCUMENT],
+            tensors.get(lightning_format.TENSORS, {}),
+            where=folder,
+        )
     if STATE_FILE not in documents:
         return None
     document = documents[STATE_FILE]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import math
 import random
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -373,9 +374,11 @@ def decode_state(
 
 def check_rng(state: Mapping[str, Any], *, where: str) -> None:
     """Refuse RNG states that :func:`restore_rng` could not put back, without touching the
-    process's generators (each state is tried on a generator of its own). Tensors may be
-    :class:`~nbresume.checkpoint.tensorfile.TensorSpec` headers (``verify``): their dtype and
-    rank are checked, and torch is not imported for them."""
+    process's generators (each state is tried on a generator of its own, and the bytes of the
+    torch CPU and CUDA states are checked as torch checks them: a CUDA state is applied only
+    on a GPU, after the others). Tensors may be NumPy arrays (``verify`` reads them without
+    torch) or :class:`~nbresume.checkpoint.tensorfile.TensorSpec` headers: then only their
+    dtype and rank are checked."""
     from nbresume.checkpoint.tensorfile import TensorSpec
 
     try:
@@ -391,10 +394,11 @@ def check_rng(state: Mapping[str, Any], *, where: str) -> None:
             np.random.RandomState().set_state(numpy_state)
         if "torch" in state:
             torch_state = state["torch"]
-            if isinstance(torch_state, TensorSpec):
-                if not _is_byte_tensor(torch_state):
-                    raise TypeError("the torch RNG state is not a byte tensor")
-            else:
+            if not _is_byte_tensor(torch_state):
+                raise TypeError("the torch RNG state is not a byte tensor")
+            if not isinstance(torch_state, TensorSpec):
+                check_torch_cpu_state(_bytes_of(torch_state))
+            if type(torch_state).__module__.startswith("torch"):
                 import torch
 
                 torch.Generator().set_state(torch_state)
@@ -403,11 +407,46 @@ def check_rng(state: Mapping[str, Any], *, where: str) -> None:
             not isinstance(cuda, list) or not all(_is_byte_tensor(t) for t in cuda)
         ):
             raise TypeError("the CUDA RNG states are not byte tensors")
+        for value in cuda or []:
+            if not isinstance(value, TensorSpec):
+                check_cuda_state(_bytes_of(value))
     except Exception as exc:
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise CorruptCheckpointError(
             f"invalid saved state: an RNG state cannot be restored ({reason})", where=where
         ) from None
+
+
+#: The size of torch's CPU generator state (``CPUGeneratorImplState``), and the Mersenne
+#: Twister's state length.
+TORCH_CPU_STATE_BYTES = 5056
+_MT_N = 624
+
+
+def check_torch_cpu_state(data: bytes) -> None:
+    """Refuse a torch CPU generator state that ``torch.Generator.set_state`` refuses: not
+    its size, not seeded, or a position (``left``, ``next``) outside the Mersenne Twister."""
+    if len(data) != TORCH_CPU_STATE_BYTES:
+        raise ValueError(f"the torch CPU state is {len(data)} bytes, not {TORCH_CPU_STATE_BYTES}")
+    left, seeded, following = struct.unpack_from("<iIQ", data, 8)
+    if not seeded or not 1 <= left <= _MT_N or following & 0xFFFFFFFF > _MT_N:
+        raise ValueError("the torch CPU state is not a valid Mersenne Twister state")
+
+
+def check_cuda_state(data: bytes) -> None:
+    """Refuse a CUDA generator state that ``torch.cuda.set_rng_state`` refuses: a seed (8
+    bytes) and a Philox offset (8 more) that must be a multiple of 4."""
+    if len(data) not in (8, 16):
+        raise ValueError(f"a CUDA RNG state is {len(data)} bytes, not 16")
+    if len(data) == 16 and struct.unpack_from("<Q", data, 8)[0] % 4:
+        raise ValueError("the offset of a CUDA RNG state is not a multiple of 4")
+
+
+def _bytes_of(value: Any) -> bytes:
+    """The bytes of a 1-D byte tensor (torch or NumPy)."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return bytes(value.tobytes())
 
 
 def _numpy_stand_in(value: Any) -> Any:
@@ -429,6 +468,11 @@ def _is_byte_tensor(value: Any) -> bool:
 
     if isinstance(value, TensorSpec):
         return value.dtype == "U8" and len(value.shape) == 1
+    module = type(value).__module__
+    if module.startswith("numpy"):
+        return bool(value.dtype.kind == "u" and value.dtype.itemsize == 1 and value.ndim == 1)
+    if not module.startswith("torch"):
+        return False
     import torch
 
     return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1

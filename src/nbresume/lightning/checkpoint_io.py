@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
 
+from nbresume.checkpoint import lightning_format
 from nbresume.checkpoint.info import CheckpointInfo
-from nbresume.checkpoint.state import flatten, unflatten
+from nbresume.checkpoint.lightning_format import DOCUMENT, FORMAT, FORMAT_VERSION, TENSORS
+from nbresume.checkpoint.state import flatten
 from nbresume.checkpoint.storage import LocalStore
 from nbresume.checkpoint.store import CheckpointStore
-from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, UsageError
+from nbresume.errors import CheckpointError, NoCheckpointError, UsageError
 from nbresume.frameworks.layout import committed
 
 if TYPE_CHECKING:
@@ -40,11 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nbresume")
 
-#: The JSON document of a Lightning checkpoint: its stem, and the format it declares.
-DOCUMENT = "checkpoint"
-TENSORS = "tensors"
-FORMAT = "nbresume-lightning"
-FORMAT_VERSION = 1
 #: Hidden names beside the ``.ckpt`` folders: one being built, one being removed.
 NEW_MARK = ".nbresume-new-"
 GONE_MARK = ".nbresume-gone-"
@@ -323,29 +320,9 @@ def decode_checkpoint(
     document: Any, tensors: dict[str, Any], *, where: str, map_location: Any | None = None
 ) -> dict[str, Any]:
     """Rebuild the dictionary :func:`encode_checkpoint` split (CorruptCheckpointError if
-    the document is not one)."""
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
-        raise CorruptCheckpointError(
-            "not a Lightning checkpoint written by nbresume", where=f"{where}/{DOCUMENT}.json"
-        )
-    if document.get("version") != FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            f"format version {document.get('version')!r}; this nbresume reads version "
-            f"{FORMAT_VERSION} (pip install -U nbresume)",
-            where=f"{where}/{DOCUMENT}.json",
-        )
+    the document is not one: the check ``verify`` makes too)."""
     moved = {key: _mapped(t, map_location) for key, t in tensors.items()}
-    tree = unflatten(
-        document.get(DOCUMENT),
-        moved,
-        where=f"{where}/{DOCUMENT}.json",
-        tensors_where=f"{where}/{TENSORS}.safetensors",
-    )
-    if not isinstance(tree, dict):
-        raise CorruptCheckpointError(
-            "the checkpoint is not a dictionary", where=f"{where}/{DOCUMENT}.json"
-        )
-    return tree
+    return lightning_format.decode(document, moved, where=where)
 
 
 def load_folder(location: str, map_location: Any | None = None) -> dict[str, Any]:
@@ -409,7 +386,7 @@ def ckpt_folders(directory: Path) -> list[Path]:
 def read_document(path: Path) -> Any:
     """The ``checkpoint.json`` document (its hash checked) of the newest checkpoint in the
     ``.ckpt`` folder ``path``, or ``None``."""
-    import json
+    from nbresume.checkpoint.reading import parse_json
 
     name = f"{DOCUMENT}.json"
     try:
@@ -418,8 +395,10 @@ def read_document(path: Path) -> Any:
         if info is None or name not in info.manifest.files:
             return None
         raw = store.read_files(info.name, {name: info.manifest.files[name]})[name]
-        return json.loads(bytes(raw))
-    except (CheckpointError, OSError, ValueError):
+        # Bounded nesting: a document nested too deep is one that verify fails, never a
+        # RecursionError at every resume.
+        return parse_json(raw, where=f"{info.location}/{name}")
+    except (CheckpointError, OSError):
         return None
 
 
