@@ -21,7 +21,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from nbresume import ResumableLoader
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 from nbresume.resumecheck.compare import RNG, compare, final_checkpoints
+from zygote import CHILD_ENV, Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("train_iterable.py")
@@ -248,72 +248,26 @@ def test_a_run_stopped_twice_mid_epoch_resumes_bit_identically(
     assert_same(final, reference[shape, workers], f"{shape}, {workers} workers, stopped twice")
 
 
-#: One math thread per process: two cores are shared by the test and its child.
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-
-
-class Zygote:
+class IterableRuns(Zygote):
     """``train_iterable.py serve``: forks one training process per run, torch imported once.
     Runs are real processes; a kill is a real SIGKILL of the trainer."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            # A killed run's DataLoader workers leave multiprocessing's temporary folders
-            # behind: here, not in /tmp.
-            env={**CHILD_ENV, "TMPDIR": str(workdir)},
-        )
-        self.runs = 0
+        super().__init__(workdir, SCRIPT)
 
-    def run(
+    def train(
         self, folder: Path, shape: str, workers: int, *, kill_at: int | None = None
     ) -> tuple[int, str]:
         """Train in ``folder``; with ``kill_at``, SIGKILL the process once it has reported
         that step. Returns (exit status, what it printed)."""
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.runs += 1
-        log = self.workdir / f"run-{self.runs}.log"
-        command = {
-            "folder": str(folder),
-            "shape": shape,
-            "workers": workers,
-            "log": str(log),
-            "out": str(self.workdir / f"final-{self.runs}.pt"),
-            "pause": 0.0 if kill_at is None else 0.02,
-        }
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        pid = int(self.proc.stdout.readline().split()[1])
-        if kill_at is not None:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                text = log.read_text() if log.exists() else ""
-                if kill_at in steps(text) or "done " in text or "error " in text:
-                    os.kill(pid, signal.SIGKILL)
-                    break
-                time.sleep(0.001)
-        _, reported_pid, status = self.proc.stdout.readline().split()
-        assert int(reported_pid) == pid
-        return int(status), log.read_text()
-
-    def final(self) -> Tensors:
-        tensors: Tensors = torch.load(self.workdir / f"final-{self.runs}.pt", weights_only=True)
-        return tensors
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        command = {"folder": str(folder), "shape": shape, "workers": workers}
+        kill_when = None if kill_at is None else (lambda text: kill_at in steps(text))
+        return self.run(command, kill_when=kill_when, pause=0.02)
 
 
 @pytest.fixture(scope="module")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    server = Zygote(tmp_path_factory.mktemp("zygote"))
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IterableRuns]:
+    server = IterableRuns(tmp_path_factory.mktemp("zygote"))
     yield server
     server.close()
 
@@ -336,7 +290,7 @@ def kill_rng(request: pytest.FixtureRequest) -> random.Random:
 def test_a_run_killed_twice_resumes_bit_identically(
     tmp_path: Path,
     case: tuple[str, int],
-    zygote: Zygote,
+    zygote: IterableRuns,
     kill_rng: random.Random,
     reference: dict[tuple[str, int], Tensors],
 ) -> None:
@@ -349,7 +303,7 @@ def test_a_run_killed_twice_resumes_bit_identically(
     for kill in range(2):
         low, high = (6, 9) if kill == 0 else (resume_from + runs.EVERY + 1, PER_EPOCH - 1)
         kill_at = kill_rng.randint(low, high)
-        status, text = zygote.run(folder, shape, workers, kill_at=kill_at)
+        status, text = zygote.train(folder, shape, workers, kill_at=kill_at)
         context = f"killed at step {kill_at} of {shape} with {workers} workers:\n{text}"
         assert status == -signal.SIGKILL, context
         assert steps(text, "start") == [resume_from], context
@@ -360,7 +314,7 @@ def test_a_run_killed_twice_resumes_bit_identically(
         assert resume_from < committed < PER_EPOCH, context
         resume_from = committed
 
-    status, text = zygote.run(folder, shape, workers)
+    status, text = zygote.train(folder, shape, workers)
     assert status == 0, text
     assert steps(text, "start") == [resume_from], text
     assert steps(text, "done") == [runs.TOTAL], text

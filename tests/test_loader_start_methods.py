@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ import pytest
 import torch
 
 from nbresume.checkpoint.store import CheckpointStore
+from zygote import Zygote, reached
 
 SCRIPT = Path(__file__).with_name("train_loader_workers.py")
 _spec = importlib.util.spec_from_file_location("train_loader_workers", SCRIPT)
@@ -51,8 +50,6 @@ START_METHODS = [
     ),
 ]
 
-#: One math thread per process: two cores are shared by the test, its trainer and the workers.
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 TOTAL = script.EPOCHS * script.BATCHES
 #: Killed once it reported this step: after the checkpoints of steps 3 and 6, mid-epoch.
 KILL_AT = 2 * script.EVERY + 1
@@ -101,87 +98,48 @@ def leftovers(pgid: int) -> dict[int, str]:
     return {p: c for p, c in process_group(pgid).items() if "resource_tracker" not in c}
 
 
-class Zygote:
+class WorkerRuns(Zygote):
     """``train_loader_workers.py serve``: one training process per run, torch imported once;
     a kill is a real SIGKILL of the trainer."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            # Killed workers leave multiprocessing's temporary folders behind: here, not in /tmp.
-            env={**CHILD_ENV, "TMPDIR": str(workdir)},
-        )
-        self.runs = 0
+        super().__init__(workdir, SCRIPT)
+        self.linger = 0.0
         self.survivors: dict[int, str] = {}
 
-    def run(
+    def train(
         self, folder: Path, start_method: str, *, kill_at: int | None = None, linger: float = 0
     ) -> tuple[int, str]:
         """Train in ``folder``; with ``kill_at``, SIGKILL the trainer once it has reported
         that step. Returns (exit status, what the trainer and its workers printed). With
         ``linger``, what the trainer left is given that long to end by itself first; what
         was still there is kept in :attr:`survivors`."""
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.runs += 1
-        log = self.workdir / f"run-{self.runs}.log"
-        command = {
-            "folder": str(folder),
-            "start_method": start_method,
-            "log": str(log),
-            "out": str(self.workdir / f"final-{self.runs}.pt"),
-            "pause": 0.0 if kill_at is None else 0.05,
-        }
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        pid = int(self.proc.stdout.readline().split()[1])
-        try:
-            if kill_at is not None:
-                deadline = time.monotonic() + 120
-                while time.monotonic() < deadline:
-                    text = log.read_text() if log.exists() else ""
-                    steps = lines(text, "step")
-                    if (steps and steps[-1] >= kill_at) or "done " in text or "error " in text:
-                        os.kill(pid, signal.SIGKILL)
-                        break
-                    time.sleep(0.001)
-            _, reported_pid, status = self.proc.stdout.readline().split()
-            assert int(reported_pid) == pid
-        finally:
-            deadline = time.monotonic() + linger
-            while leftovers(pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            self.survivors = leftovers(pid)
-            end_group(pid)  # the trainer's group: its pid (train_loader_workers._child)
-        return int(status), log.read_text()
+        self.linger = linger
+        command = {"folder": str(folder), "start_method": start_method}
+        kill_when = None if kill_at is None else reached(kill_at)
+        return self.run(command, kill_when=kill_when, pause=0.05)
 
-    def final(self) -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = torch.load(
-            self.workdir / f"final-{self.runs}.pt", weights_only=True
-        )
-        return tensors
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+    def ended(self, pid: int) -> None:
+        deadline = time.monotonic() + self.linger
+        while leftovers(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.survivors = leftovers(pid)
+        end_group(pid)  # the trainer's group: its pid (train_loader_workers._train)
 
 
 @pytest.fixture(scope="module")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    server = Zygote(tmp_path_factory.mktemp("zygote"))
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerRuns]:
+    server = WorkerRuns(tmp_path_factory.mktemp("zygote"))
     yield server
     server.close()
 
 
 @pytest.fixture(scope="module")
-def reference(zygote: Zygote, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def reference(
+    zygote: WorkerRuns, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, torch.Tensor]:
     """The uninterrupted run, its workers forked."""
-    status, text = zygote.run(tmp_path_factory.mktemp("reference") / "run", "fork")
+    status, text = zygote.train(tmp_path_factory.mktemp("reference") / "run", "fork")
     assert status == 0, text
     assert lines(text, "done") == [TOTAL], text
     # One pass per epoch, two workers per pass, each forked from the trainer.
@@ -192,10 +150,10 @@ def reference(zygote: Zygote, tmp_path_factory: pytest.TempPathFactory) -> dict[
 @pytest.mark.slow
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_a_run_killed_mid_epoch_resumes_bit_identically(
-    tmp_path: Path, start_method: str, zygote: Zygote, reference: dict[str, torch.Tensor]
+    tmp_path: Path, start_method: str, zygote: WorkerRuns, reference: dict[str, torch.Tensor]
 ) -> None:
     folder = tmp_path / "run"
-    status, text = zygote.run(folder, start_method, kill_at=KILL_AT)
+    status, text = zygote.train(folder, start_method, kill_at=KILL_AT)
     assert status == -signal.SIGKILL, text
     assert lines(text, "start") == [0], text
     assert "error " not in text, text
@@ -210,7 +168,7 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(
     committed = max(r.step for r in report.results)
     assert 0 < committed < script.BATCHES, f"not killed mid-epoch: {committed}\n{text}"
 
-    status, text = zygote.run(folder, start_method)
+    status, text = zygote.train(folder, start_method)
     assert status == 0, text
     assert lines(text, "start") == [committed], text
     assert lines(text, "done") == [TOTAL], text
@@ -222,13 +180,13 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(
 
 @pytest.mark.slow
 def test_forkserver_workers_end_when_their_trainer_is_killed(
-    tmp_path: Path, zygote: Zygote
+    tmp_path: Path, zygote: WorkerRuns
 ) -> None:
     """A forkserver worker's parent is the fork server: PyTorch's own watchdog, which watches
     the parent, never ends it. nbresume's worker thread watches the trainer itself."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         pytest.skip("this platform has no forkserver start method")
-    status, text = zygote.run(tmp_path / "run", "forkserver", kill_at=KILL_AT, linger=30)
+    status, text = zygote.train(tmp_path / "run", "forkserver", kill_at=KILL_AT, linger=30)
     assert status == -signal.SIGKILL, text
     assert "worker fresh=True parent=other" in text, text
     assert not zygote.survivors, f"left running after the trainer was killed: {zygote.survivors}"

@@ -15,10 +15,7 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ import nbresume
 from nbresume import Checkpointer, Event
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
+from zygote import Zygote, reached
 
 SCRIPT = Path(__file__).with_name("train_loop_shapes.py")
 _spec = importlib.util.spec_from_file_location("train_loop_shapes", SCRIPT)
@@ -48,10 +46,6 @@ def _torch_threads_as_they_were() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-#: One math thread per process: two cores are shared by the test and its child.
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def state_json(folder: Path, step: int) -> dict[str, Any]:
@@ -104,68 +98,24 @@ def test_every_loop_shape_saves_on_the_cadence(tmp_path: Path, shape: str) -> No
 # -- SIGKILL and restart: bit-identical to an uninterrupted run ---------------------------------
 
 
-class Zygote:
+class ShapeRuns(Zygote):
     """``train_loop_shapes.py serve``: forks one training process per run, torch imported
     once. Runs are real processes; a kill is a real SIGKILL."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=CHILD_ENV,
-        )
-        self.runs = 0
+        super().__init__(workdir, SCRIPT)
 
-    def run(self, folder: Path, shape: str, *, kill_at: int | None = None) -> tuple[int, str]:
+    def train(self, folder: Path, shape: str, *, kill_at: int | None = None) -> tuple[int, str]:
         """Train ``shape`` in ``folder``; with ``kill_at``, SIGKILL the process once it has
         reported that step. Returns (exit status, what it printed)."""
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.runs += 1
-        log = self.workdir / f"run-{self.runs}.log"
-        out = self.workdir / f"final-{self.runs}.pt"
-        command = {
-            "folder": str(folder),
-            "shape": shape,
-            "log": str(log),
-            "out": str(out),
-            "pause": 0.0 if kill_at is None else 0.004,
-        }
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        pid = int(self.proc.stdout.readline().split()[1])
-        if kill_at is not None:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                text = log.read_text() if log.exists() else ""
-                steps = [int(line.split()[1]) for line in text.splitlines()
-                         if line.startswith("step ")]  # fmt: skip
-                if (steps and steps[-1] >= kill_at) or "done " in text or "error " in text:
-                    os.kill(pid, signal.SIGKILL)
-                    break
-                time.sleep(0.001)
-        _, reported_pid, status = self.proc.stdout.readline().split()
-        assert int(reported_pid) == pid
-        return int(status), log.read_text()
-
-    def final(self) -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = torch.load(
-            self.workdir / f"final-{self.runs}.pt", weights_only=True
-        )
-        return tensors
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        command = {"folder": str(folder), "shape": shape}
+        kill_when = None if kill_at is None else reached(kill_at)
+        return self.run(command, kill_when=kill_when, pause=0.004)
 
 
 @pytest.fixture(scope="module")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    server = Zygote(tmp_path_factory.mktemp("zygote"))
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShapeRuns]:
+    server = ShapeRuns(tmp_path_factory.mktemp("zygote"))
     yield server
     server.close()
 
@@ -185,10 +135,10 @@ def lines(text: str, kind: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_killed_run_of_every_shape_resumes_bit_identically(
-    tmp_path: Path, shape: str, zygote: Zygote, kill_rng: random.Random
+    tmp_path: Path, shape: str, zygote: ShapeRuns, kill_rng: random.Random
 ) -> None:
     total = shapes.SHAPES[shape][1]
-    status, text = zygote.run(tmp_path / "reference", shape)
+    status, text = zygote.train(tmp_path / "reference", shape)
     assert status == 0, text
     assert lines(text, "done") == [total], text
     reference = zygote.final()
@@ -202,7 +152,7 @@ def test_a_killed_run_of_every_shape_resumes_bit_identically(
         if first > last:
             break
         kill_at = kill_rng.randint(first, last)
-        status, text = zygote.run(folder, shape, kill_at=kill_at)
+        status, text = zygote.train(folder, shape, kill_at=kill_at)
         context = f"kill {kill + 1} of {shape} at step >= {kill_at}:\n{text}"
         assert status == -signal.SIGKILL, context
         assert lines(text, "start") == [resume_from], context
@@ -214,7 +164,7 @@ def test_a_killed_run_of_every_shape_resumes_bit_identically(
         assert committed > resume_from, context
         resume_from = committed
 
-    status, text = zygote.run(folder, shape)
+    status, text = zygote.train(folder, shape)
     assert status == 0, text
     assert lines(text, "start") == [resume_from], text
     assert lines(text, "done") == [total], text

@@ -18,12 +18,10 @@ after every update, ``done N`` at the end). It answers ``pid P`` when the child 
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import nbresume
+import zygote
 
 EVERY = 4
 ITEMS = 48
@@ -135,38 +134,11 @@ def train(
     return tensors
 
 
-def _child(command: dict[str, Any]) -> int:
-    log = os.open(command["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    try:
-        final = train(
-            Path(command["folder"]), command["shape"], command["workers"], pause=command["pause"]
-        )
-        torch.save(final, command["out"])
-    except BaseException as exc:  # reported in the log, read by the test
-        import traceback
-
-        say("error " + "".join(traceback.format_exception(exc)).replace("\n", " | "))
-        return 1
-    return 0
-
-
-def serve() -> None:
-    torch.set_num_threads(1)
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    for line in sys.stdin:
-        command = json.loads(line)
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            os._exit(_child(command))
-        print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print(f"exit {pid} {code}", flush=True)
+def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return train(
+        Path(command["folder"]), command["shape"], command["workers"], pause=command["pause"]
+    )
 
 
 if __name__ == "__main__":
-    serve()
+    zygote.serve(lambda command: zygote.run_logged(command, _train))

@@ -21,11 +21,11 @@ starts and ``exit P STATUS`` when it ended.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import nbresume
+import zygote
 
 EVERY = 3
 BATCHES = 10  # per epoch
@@ -110,39 +111,10 @@ def train(folder: Path, start_method: str, *, pause: float = 0.0) -> dict[str, t
     return tensors
 
 
-def _child(command: dict[str, Any]) -> int:
+def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     os.setpgid(0, 0)  # the trainer, its workers and the fork server: one group to clean up
-    log = os.open(command["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    try:
-        final = train(Path(command["folder"]), command["start_method"], pause=command["pause"])
-        torch.save(final, command["out"])
-    except BaseException as exc:  # reported in the log, read by the test
-        import traceback
-
-        say("error " + "".join(traceback.format_exception(exc)).replace("\n", " | "))
-        return 1
-    return 0
-
-
-def serve() -> None:
-    # What every run would import on its own, without starting a thread: the children are
-    # forked from here.
-    torch.set_num_threads(1)
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    for line in sys.stdin:
-        command = json.loads(line)
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            os._exit(_child(command))
-        print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print(f"exit {pid} {code}", flush=True)
+    return train(Path(command["folder"]), command["start_method"], pause=command["pause"])
 
 
 if __name__ == "__main__":
-    serve()
+    zygote.serve(lambda command: zygote.run_logged(command, _train))

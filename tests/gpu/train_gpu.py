@@ -29,8 +29,7 @@ import json
 import os
 import sys
 import time
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import nbresume
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tests/
+import zygote
 
 _spec = importlib.util.spec_from_file_location(
     "train_loop_shapes", Path(__file__).resolve().parents[1] / "train_loop_shapes.py"
@@ -389,35 +391,20 @@ RUNS: dict[str, Callable[[Path, str, str, float], dict[str, Any]]] = {
 }
 
 
+def _train(command: Mapping[str, Any]) -> dict[str, Any]:
+    return RUNS[command["kind"]](
+        Path(command["folder"]), command["name"], command["device"], command["pause"]
+    )
+
+
 def run(command: dict[str, Any]) -> int:
     """Run ``command`` in this process, its output appended to its log; the exit status."""
-    log = os.open(command["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    try:
-        final = RUNS[command["kind"]](
-            Path(command["folder"]), command["name"], command["device"], command["pause"]
-        )
-        torch.save(final, command["out"])
-    except BaseException as exc:  # reported in the log, read by the test
-        say("error " + "".join(traceback.format_exception(exc)).replace("\n", " | "))
-        return 1
-    return 0
+    return zygote.run_logged(command, _train)
 
 
 def serve() -> None:
     # Nothing here may start CUDA: a child forked after that could not use it.
-    for line in sys.stdin:
-        command = json.loads(line)
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            os._exit(run(command))
-        print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print(f"exit {pid} {code}", flush=True)
+    zygote.serve(run, warm_torch=False)
 
 
 if __name__ == "__main__":
