@@ -37,8 +37,9 @@ LIMIT = 3 << 30
 TIMEOUT = 60
 
 
-def bounded(*ops: tuple[str, str | Path]) -> list[dict[str, Any]]:
-    """Run ``ops`` (operation, argument) in a child of bounded memory and time; their reports."""
+def bounded(*ops: tuple[str, str | Path], peak_below: int | None = None) -> list[dict[str, Any]]:
+    """Run ``ops`` (operation, argument) in a child of bounded memory and time; their reports.
+    ``peak_below``: the most resident memory the child may have used at its peak."""
     argv = [str(part) for op in ops for part in op]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
     env["PYTHONPATH"] = os.pathsep.join(
@@ -54,7 +55,10 @@ def bounded(*ops: tuple[str, str | Path]) -> list[dict[str, Any]]:
     output = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, output
     assert "Traceback" not in done.stdout + done.stderr, output
-    reports: list[dict[str, Any]] = json.loads(done.stdout.splitlines()[-1])["reports"]
+    report = json.loads(done.stdout.splitlines()[-1])
+    if peak_below is not None:
+        assert report["peak"] < peak_below, report["peak"]
+    reports: list[dict[str, Any]] = report["reports"]
     return reports
 
 
@@ -330,3 +334,31 @@ def test_a_deep_lightning_document_beside_the_checkpoints_never_breaks_a_resume(
     deep_document(lightning_ckpt(folder / "epoch=0-step=4.ckpt", 4))
     assert read_document(folder / "epoch=0-step=4.ckpt") is None
     assert read_document(good)["checkpoint"]["global_step"] == 2
+
+
+# -- nbresume pull --------------------------------------------------------------------------------
+
+
+def test_pull_fails_a_source_checkpoint_missing_a_file_instead_of_calling_it_deleted(
+    run: Path, tmp_path: Path
+) -> None:
+    # Its manifest is still there: the checkpoint was not deleted by a writer, it lacks a file
+    # (and would not load); the copy is not safe to rely on.
+    (run / "000000000020" / "model.safetensors").unlink()
+    (pulled,) = bounded(("pull", f"{run}:{tmp_path / 'pulled'}"))
+    assert pulled["result"] == 1, pulled["out"]
+    assert SAFE_LINE not in pulled["out"]
+    assert "deleted on the remote" not in pulled["out"]
+    assert "FAIL  000000000020" in pulled["out"]
+    assert "model.safetensors: the file is missing" in pulled["out"]
+    assert "OK    000000000010" in pulled["out"]
+
+
+def test_pull_copies_a_run_log_of_gigabytes_in_bounded_memory(run: Path, tmp_path: Path) -> None:
+    log = run / "nbresume-run.log"
+    with open(log, "wb") as handle:  # sparse: costs no disk to make
+        handle.truncate(1 << 30)
+    (pulled,) = bounded(("pull", f"{run}:{tmp_path / 'pulled'}"), peak_below=512 << 20)
+    assert pulled["result"] == 0, pulled["out"]
+    assert SAFE_LINE in pulled["out"]
+    assert (tmp_path / "pulled" / "nbresume-run.log").stat().st_size == 1 << 30

@@ -60,6 +60,7 @@ from nbresume.checkpoint.lease_holder import (
     format_utc,
     this_process,
 )
+from nbresume.checkpoint.reading import has_manifest
 from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, open_store
 from nbresume.checkpoint.store import CheckpointStore, VerifyResult
 from nbresume.checkpoint.units import format_bytes
@@ -390,7 +391,11 @@ class Puller:
                 how, note = self._pull_file(folder, file_name, entry, staging)
             except FileNotFoundError:
                 shutil.rmtree(staging, ignore_errors=True)
-                return _Result(name, True, "gone")  # deleted by the writer's retention
+                if not has_manifest(self.source, folder):
+                    return _Result(name, True, "gone")  # deleted by the writer's retention
+                # Still committed there: the checkpoint lacks a file (it does not load).
+                where = self.source.child(folder, file_name)
+                return _Result(name, False, problem=f"{where}: the file is missing")
             except _Mismatch as exc:
                 return _Result(
                     name, False, problem=f"{self.source.child(folder, file_name)}: {exc}"
@@ -653,15 +658,20 @@ def _pull_log(source: Store, target: Path, out: Callable[[str], None]) -> None:
     """The training log ``nbresume run`` keeps next to the checkpoints, when there is one."""
     from nbresume.runner import DEFAULT_LOG_NAME
 
-    try:
-        with source.open_read("", DEFAULT_LOG_NAME) as handle:
-            data = handle.read()
-    except (NbresumeError, OSError, ValueError):
-        return  # no log there (or none readable): the checkpoints are what counts
     aside = target / f".{DEFAULT_LOG_NAME}.part"
-    aside.write_bytes(data)
+    size = 0
+    try:
+        with source.open_read("", DEFAULT_LOG_NAME) as handle, open(aside, "wb") as copy:
+            # In pieces: a log grows for as long as the job runs (gigabytes, in memory never).
+            while chunk := handle.read(CHUNK):
+                copy.write(chunk)
+                size += len(chunk)
+    except (NbresumeError, OSError, ValueError):
+        with contextlib.suppress(OSError):
+            aside.unlink()
+        return  # no log there (or none readable): the checkpoints are what counts
     os.replace(aside, target / DEFAULT_LOG_NAME)
-    out(f"  log   {DEFAULT_LOG_NAME}  {format_bytes(len(data)):>9}  copied (not verified)")
+    out(f"  log   {DEFAULT_LOG_NAME}  {format_bytes(size):>9}  copied (not verified)")
 
 
 def _describe(result: _Result) -> str:
