@@ -171,6 +171,9 @@ class Checkpointer(EpochLoopMixin):
         self.total: int | None = None
         self.done = False
         self.restored_step: int | None = None
+        #: The number of processes of the job that saved the restored checkpoint, and of this
+        #: one, where they differ (``None``: the same, or nothing restored).
+        self.reshaped: tuple[int, int] | None = None
         self.stop_reason = ""
         self._restored = False
         self._pending_objects: dict[str, Any] = {}  # restored state of objects not yet registered
@@ -291,7 +294,22 @@ class Checkpointer(EpochLoopMixin):
         )
         self.restored_step = self.step
         self._last_saved_step = self.step
+        # Checkpoints newer than this one were passed over (they fail verification or do not
+        # fit): retention never deletes them.
+        self.store.protect_newer_than(self.step)
         log.info("nbresume: resumed from step %d (%s)", self.step, plan.where)
+        if plan.reshaped:
+            self._announce_reshape(saved.world_size, plan.world_size, plan.rank)
+
+    def _announce_reshape(self, before: int, after: int, rank: int) -> None:
+        """Say once (the log on the leading process, every process's callbacks, the status
+        line) that the run continues with another number of processes, and what that means."""
+        text = restoring.reshaped_notice(before, after, self.step)
+        self.reshaped = (before, after)
+        # The views first (a live terminal line makes room for it), then the log.
+        self.events.emit(ev.RESHAPED, self.step, before=before, after=after, text=text)
+        if rank == 0:
+            log.warning("nbresume: %s", text)
 
     def _any_committed(self) -> bool:
         """Whether a checkpoint folder has a manifest. A folder without one never committed (an

@@ -13,7 +13,15 @@ Three things make a resumed epoch identical to the original:
    so that the global RNGs (torch, random, NumPy) are seeded per sample around
    ``__getitem__``. Augmentation then does not depend on which worker loaded the sample or
    where the run resumed. In the main process the training loop's RNG state is saved and put
-   back around each sample, so loading data never disturbs it.
+   back around each sample, so loading data never disturbs it (nor a rank's own seeded
+   streams under ``torch.distributed``).
+
+The position is kept in samples of the epoch's order, over the whole job: with a
+``DistributedSampler``, whose order is a function of its seed and the epoch whatever the
+number of processes, the samples trained are the first ``position x batch size x processes``
+of that order. A resumed epoch with another batch size or another number of processes (a
+leg on two GPUs, the next on one) continues at that sample where it starts a batch of the new
+shape, and is refused with the fix where it does not.
 
 An ``IterableDataset`` has no indices: its epoch is a stream. The stream of an epoch is
 rebuilt from its start (``set_epoch(epoch)`` first, where the dataset has it) and the
@@ -387,29 +395,118 @@ class _Lookahead:
         return item
 
 
-def _position_for(batch_size: int | None, state: dict[str, Any]) -> int:
-    """The saved position in batches of this loader's ``batch_size``. A rerun with another
-    batch size (64 where 32 saved the position) continues the epoch at the same sample where
-    that sample starts a batch of the new size; elsewhere it is refused, since the rest of the
-    epoch would repeat or skip samples."""
-    saved, position = state.get("batch_size"), state["position"]
-    if saved is None or batch_size is None or saved == batch_size or position == 0:
-        return int(position)
-    samples = position * saved
-    if samples % batch_size == 0:
-        log.warning(
-            "nbresume: the batch size changed from %d to %d: epoch %d continues at sample %d "
-            "(batch %d of %d samples), exactly where it stopped",
-            saved, batch_size, state["epoch"], samples, samples // batch_size, batch_size,
-        )  # fmt: skip
-        return int(samples // batch_size)
-    raise UsageError(
-        f"the batch size changed from {saved} to {batch_size} in the middle of epoch "
-        f"{state['epoch']}: {samples} samples of it were trained, which is not a whole number "
-        f"of batches of {batch_size}, so the rest of the epoch would repeat or skip samples",
-        fix=f"keep batch_size={saved} until this epoch ends, or choose a batch size that "
-        f"divides {samples}; a new batch size from the start of an epoch needs nothing",
+def _position_for(
+    state: dict[str, Any],
+    *,
+    batch_size: int | None,
+    split: int | None,
+    batches: int | None,
+    global_order: bool = False,
+) -> tuple[int, str, int]:
+    """The saved position of a map-style loader in batches of this loader, what to log about
+    it (``""``: nothing changed) and at which level.
+
+    The position is kept in samples of the epoch's order: ``position x batch size x split``
+    samples were trained (``split``: the number of processes a DistributedSampler splits the
+    data across, 1 without one). They are a prefix of the epoch's order, which a
+    DistributedSampler draws from its seed and the epoch alone, whatever the number of
+    processes. So a rerun with another batch size or another number of processes continues
+    the epoch at the same sample where that sample starts a batch of the new shape (the
+    batch size of every process times their number); elsewhere it is refused, since the rest
+    of the epoch would repeat or skip samples. ``batches``: this loader's batches per epoch;
+    ``global_order``: the loader reads torch's own DistributedSampler in plain batches, whose
+    order is the same for any number of processes (any other split is followed only while
+    the number of processes stays the same).
+    """
+    position, epoch = int(state["position"]), state["epoch"]
+    saved_batch = state.get("batch_size", batch_size)  # absent: saved before it was recorded
+    saved_split = state.get("replicas", split)  # absent: saved before it was recorded
+    if position == 0:
+        return 0, "", logging.INFO
+    if saved_split == split and (saved_batch is None or batch_size is None):
+        return position, "", logging.INFO
+    if saved_split == split and saved_batch == batch_size:
+        return position, "", logging.INFO
+    ended = state.get("batches")
+    if isinstance(ended, int) and position >= ended and batches is not None:
+        # Every batch of the epoch was handed out: it is over here too.
+        return batches, "", logging.INFO
+    if saved_split != split and (saved_split is None or split is None or not global_order):
+        raise _split_changed(epoch, saved_split, split)
+    before = (saved_split or 1) * (saved_batch or 1)
+    now = (split or 1) * (batch_size or 1)
+    samples = position * before
+    if samples % now:
+        if saved_split == split:
+            raise UsageError(
+                f"the batch size changed from {saved_batch} to {batch_size} in the middle of "
+                f"epoch {epoch}: {samples // (split or 1)} samples of it were trained, which "
+                f"is not a whole number of batches of {batch_size}, so the rest of the epoch "
+                "would repeat or skip samples",
+                fix=f"keep batch_size={saved_batch} until this epoch ends, or choose a batch "
+                f"size that divides {samples // (split or 1)}; a new batch size from the "
+                "start of an epoch needs nothing",
+            )
+        raise UsageError(
+            f"the global batch changed from {before} ({saved_split} process(es) x "
+            f"batch_size={saved_batch}) to {now} ({split} x batch_size={batch_size}) in the "
+            f"middle of epoch {epoch}: {samples} samples of it were trained, which is not a "
+            f"whole number of global batches of {now}, so the rest of the epoch would repeat "
+            "or skip samples",
+            fix=f"keep the global batch: batch_size = {before} // world_size in each process, "
+            f"with a number of processes that divides {before}; or finish this epoch with "
+            f"{saved_split} process(es) of batch_size={saved_batch}; a new shape from the start "
+            "of an epoch needs nothing",
+        )
+    level = logging.INFO if before == now else logging.WARNING
+    if saved_split == split:
+        said = (
+            f"nbresume: the batch size changed from {saved_batch} to {batch_size}: epoch "
+            f"{epoch} continues at sample {samples // (split or 1)} (batch {samples // now} of "
+            f"{batch_size} samples), exactly where it stopped"
+        )
+    else:
+        said = (
+            f"nbresume: epoch {epoch} was trained by {saved_split} process(es) of batch_size="
+            f"{saved_batch} up to sample {samples} of its order; it continues there, at batch "
+            f"{samples // now} of {split} process(es) of batch_size={batch_size}"
+        )
+    return samples // now, said, level
+
+
+def _split_changed(epoch: int, saved: int | None, split: int | None) -> UsageError:
+    def how(replicas: int | None) -> str:
+        if replicas is None:
+            return "with no sampler that splits it across processes"
+        return f"split across {replicas} process(es) by a DistributedSampler"
+
+    return UsageError(
+        f"epoch {epoch} was trained partway with its data {how(saved)}, and this loader reads "
+        f"it {how(split)}: the two orders differ, so the rest of the epoch would repeat or "
+        "skip samples",
+        fix="feed the DataLoader from the same DistributedSampler(dataset, shuffle=..., "
+        "seed=...) in every leg (num_replicas=1, rank=0 in one process without a process "
+        "group), or finish this epoch as it began; a change from the start of an epoch needs "
+        "nothing",
     )
+
+
+def _stream_split_changed(epoch: int, saved: int, now: int) -> UsageError:
+    return UsageError(
+        f"epoch {epoch} of the IterableDataset was read partway by {saved} process(es), and "
+        f"this job has {now}: how a stream is split across processes is the dataset's own, so "
+        "nbresume cannot tell where the rest of the epoch begins",
+        fix=f"finish this epoch with {saved} process(es); a new number of processes from the "
+        "start of an epoch needs nothing",
+    )
+
+
+def job_size() -> int:
+    """The number of processes of the ``torch.distributed`` job (1 without one)."""
+    dist: Any = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size())
 
 
 def _same_batches_of_workers(batch_size: int | None, state: dict[str, Any]) -> None:
@@ -507,20 +604,73 @@ class ResumableLoader:
         return len(self.loader)
 
     def state_dict(self) -> dict[str, int | None]:
-        return {
+        state = {
             "seed": self.seed,
             "epoch": self.epoch,
             "position": self.position,
             "finished_in": self.finished_in,
             "batch_size": self.loader.batch_size,
         }
+        if self.iterable:
+            state["world_size"] = job_size()
+        else:
+            state["replicas"] = self._split()
+            state["batches"] = self._batches()
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if self.iterable and self.loader.num_workers > 1:
-            _same_batches_of_workers(self.loader.batch_size, state)
-        position = _position_for(self.loader.batch_size, state)
+        position, said, level = self._resumed_position(state)
+        if said:
+            log.log(level, said)
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], position
         self.finished_in = state.get("finished_in", -1)  # absent before loop shapes were tracked
+
+    def check_state(self, state: Any) -> None:
+        """Raise the :class:`UsageError` that loading ``state`` would raise (another batch
+        size or number of processes that cannot continue its epoch exactly), changing nothing."""
+        self._resumed_position(state)
+
+    def _resumed_position(self, state: dict[str, Any]) -> tuple[int, str, int]:
+        """The position to continue from, in batches of this loader, and what to log about it
+        and at which level (see :func:`_position_for`)."""
+        from torch.utils.data import BatchSampler
+
+        loader = self.loader
+        batch_size = loader.batch_size
+        if not self.iterable:
+            plain = loader.batch_sampler is None or type(loader.batch_sampler) is BatchSampler
+            return _position_for(
+                state,
+                batch_size=batch_size,
+                split=self._split(),
+                batches=self._batches(),
+                global_order=plain and _is_torch_sampler(loader.sampler, ("DistributedSampler",)),
+            )
+        saved, now = state.get("world_size", job_size()), job_size()
+        if saved != now and state["position"] > 0:
+            raise _stream_split_changed(state["epoch"], saved, now)
+        if self.loader.num_workers > 1:
+            _same_batches_of_workers(batch_size, state)
+        stream = {k: v for k, v in state.items() if k not in ("replicas", "batches")}
+        return _position_for(stream, batch_size=batch_size, split=None, batches=None)
+
+    def _batches(self) -> int | None:
+        """The batches of an epoch of the map-style loader (``None``: its sampler has no
+        length)."""
+        try:
+            return len(self.loader)
+        except TypeError:
+            return None
+
+    def _split(self) -> int | None:
+        """Across how many processes the sampler splits the data (a DistributedSampler's
+        ``num_replicas``); ``None`` where no sampler does."""
+        loader = self.loader
+        for part in _sampler_parts(loader.batch_sampler) + _sampler_parts(loader.sampler):
+            replicas = getattr(part, "num_replicas", None)
+            if isinstance(replicas, int) and not isinstance(replicas, bool):
+                return replicas
+        return None
 
     def _epoch_indices(self) -> tuple[list[list[int]] | None, list[int] | None]:
         """Batches of indices (custom batch sampler) or sample indices of this epoch, drawn

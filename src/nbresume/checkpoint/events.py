@@ -28,6 +28,9 @@ DURABLE = "durable"
 FAILED = "failed"
 STOPPING = "stopping"
 DONE = "done"
+#: A restore continued a checkpoint saved by a job of another number of processes (data:
+#: ``before``, ``after``, ``text``); said once, at the restore.
+RESHAPED = "world_size_changed"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,12 @@ The protocol of one restore, whatever the distributed mode:
    and compare every saved object with the live one (names, shapes, dtypes of modules and
    optimizers). Nothing is changed. A checkpoint that does not fit raises
    :class:`DoesNotFit`, so that the store's reader passes it over for the next older one;
-   when none fits, :func:`no_fit` is the one error the caller raises.
+   when none fits, :func:`no_fit` is the one error the caller raises. A checkpoint of a job
+   of another number of processes is planned like any other: this rank's RNG states are its
+   own where the saving job had this rank, else derived from the checkpoint
+   (:func:`rank_rng`), and a wrapped loader checks that its epoch continues exactly in the
+   new shape, or raises the :class:`~nbresume.errors.UsageError` that refuses the restore
+   (never a reason to pass the checkpoint over for an older one).
 2. **Apply** (:func:`apply`): put the checked plan into the RNGs and every object. Objects
    whose state could not be checked are loaded first, each after a snapshot of its state; if
    a load still fails, every object loaded so far and the RNGs are put back as they were.
@@ -23,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbresume.checkpoint import param_groups
+from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.snapshot import STATE_FILE
 from nbresume.checkpoint.state import (
     SavedState,
@@ -46,6 +52,9 @@ class RestorePlan:
         rng: Any,
         missing: list[str],
         grown: list[param_groups.Grown] | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.where = where
         self.saved = saved
@@ -54,6 +63,15 @@ class RestorePlan:
         #: Optimizers given back the parameter groups they gained in training (undone if the
         #: plan is not applied in full).
         self.grown = grown or []
+        #: This process's rank and the number of processes of the job that restores.
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def reshaped(self) -> bool:
+        """Whether the job that restores has another number of processes than the one that
+        saved the checkpoint."""
+        return self.saved.world_size != self.world_size
 
 
 def plan(
@@ -71,14 +89,16 @@ def plan(
                 "state.json is missing or is not a Checkpointer's state", where=where
             )
         saved = decode_state(document, loaded.tensors, where=where)
-    rng = rank_rng(saved, rank=rank, world_size=world_size, where=loaded.location)
+    rng = rank_rng(saved, rank=rank)
     # Groups an optimizer gained in training go back in first, so that it can be compared.
     grown = param_groups.grow(saved.added_groups, saved.objects, objects)
     try:
-        return _checked_plan(loaded, saved, rng, objects, where=where, grown=grown)
+        checked = _checked_plan(loaded, saved, rng, objects, where=where, grown=grown)
     except BaseException:
         param_groups.shrink(grown)
         raise
+    checked.rank, checked.world_size = rank, world_size
+    return checked
 
 
 def _checked_plan(
@@ -111,6 +131,12 @@ def _checked_plan(
             step=loaded.step,
             differences=differences,
         )
+    for name, tree in saved.objects.items():
+        loader = objects.get(name)
+        if isinstance(loader, ResumableLoader) and isinstance(tree, Mapping):
+            # Another batch size or number of processes that cannot continue the epoch
+            # exactly is refused here, before anything is loaded (never passed over).
+            loader.check_state(tree)
     missing = sorted(objects.keys() - saved.objects.keys() - set(saved.sharded))
     return RestorePlan(loaded.location, saved, rng, missing, grown)
 
@@ -278,33 +304,71 @@ def is_module(value: Any) -> bool:
     return torch_nn is not None and isinstance(value, torch_nn.Module)
 
 
-def rank_rng(saved: SavedState, *, rank: int, world_size: int, where: str) -> Any:
-    """This rank's RNG states from a checked ``state.json``.
+def rank_rng(saved: SavedState, *, rank: int) -> Any:
+    """This rank's RNG states from a checked ``state.json``, whatever the number of processes
+    of the job that saved it: a rank that job had gets its own states back; a rank it did not
+    have (the job grew) gets streams derived from the checkpoint (:func:`derived_rng`)."""
+    if rank < saved.world_size:
+        return saved.rng if rank == 0 else saved.rank_rng[rank - 1]
+    return derived_rng(saved.rng, rank=rank, step=saved.step)
 
-    A checkpoint of a job of N processes resumes only in a job of N processes: the data
-    each rank sees (DistributedSampler) and its random stream depend on N. One process with
-    no process group (a notebook loading weights to evaluate them) may load it: it gets rank
-    0's RNG states, with a warning.
-    """
-    if saved.world_size != world_size and world_size > 1:
-        raise CheckpointError(
-            f"this checkpoint was saved by a job of {saved.world_size} process(es), and this "
-            f"job has {world_size}",
-            where=where,
-            fix=f"resume with {saved.world_size} processes (torchrun --nproc_per_node "
-            f"{saved.world_size} ...); to go on with {world_size} anyway, start a new run "
-            "folder from these weights (the data split and the random streams depend on the "
-            "number of processes, so the run would not continue exactly)",
-        )
-    if saved.world_size != world_size:
-        warnings.warn(
-            f"nbresume: the checkpoint at {where} was saved by {saved.world_size} processes and "
-            "is loaded by one; it gets rank 0's random state, so training from here is not an "
-            "exact continuation",
-            RuntimeWarning,
-            stacklevel=_outside_nbresume(),
-        )
-    return saved.rng if rank == 0 else saved.rank_rng[rank - 1]
+
+def derived_rng(base: Mapping[str, Any], *, rank: int, step: int) -> dict[str, Any]:
+    """Random streams for ``rank`` of a job larger than the one that saved a checkpoint, in
+    the form :func:`~nbresume.checkpoint.state.capture_rng` gives: every generator ``base``
+    (rank 0's saved states) holds, seeded from the checkpoint's step, rank 0's saved states
+    and the rank. The same checkpoint gives the same rank the same streams every time; other
+    ranks and other checkpoints get others."""
+    import hashlib
+    import json
+    import random
+
+    digest = hashlib.blake2b(f"nbresume rank streams:{step}:{rank}:".encode(), digest_size=8)
+    digest.update(json.dumps(base.get("python"), default=str).encode())
+    torch_state = base.get("torch")
+    if torch_state is not None:
+        digest.update(torch_state.contiguous().numpy().tobytes())
+    seed = int.from_bytes(digest.digest(), "little") >> 1
+    state: dict[str, Any] = {"python": random.Random(seed).getstate()}  # noqa: S311
+    if "numpy" in base:
+        import numpy as np
+
+        state["numpy"] = np.random.RandomState(seed % 2**32).get_state()
+    if torch_state is not None:
+        import torch
+
+        state["torch"] = torch.Generator().manual_seed(seed).get_state()
+        if base.get("cuda") and torch.cuda.is_available():
+            count = min(len(base["cuda"]), torch.cuda.device_count())
+            state["cuda"] = [
+                torch.Generator(device=f"cuda:{index}").manual_seed(seed + index).get_state()
+                for index in range(count)
+            ]
+    return state
+
+
+def reshaped_notice(saved_world_size: int, world_size: int, step: int) -> str:
+    """What a run resumed with another number of processes says once: the change, what was
+    kept, and what it means for exactness."""
+    kept = min(saved_world_size, world_size)
+    streams = f"{_ranks(0, kept - 1)} {'keeps its' if kept == 1 else 'keep their'} random streams"
+    if world_size > saved_world_size:
+        new = _ranks(saved_world_size, world_size - 1)
+        streams += f", {new} {'gets' if world_size - kept == 1 else 'get'} streams derived "
+        streams += "from the checkpoint"
+    return (
+        f"the world size changed from {saved_world_size} to {world_size} process(es) at step "
+        f"{step}: the run continues from its newest checkpoint (model, optimizer and values as "
+        "saved, sharded state resharded, the data position kept over the whole job so that "
+        f"every sample is trained once per epoch; {streams}). From here the run is "
+        "reproducible (the same legs give the same bits) but not bit-identical to a run that "
+        "never changed shape: the gradients are summed in another order, and other processes "
+        "draw other random numbers"
+    )
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
 _NO_FIT_FIX = (

@@ -109,6 +109,8 @@ class CheckpointStore:
             check_location(location, call, "location")
             self.backend = open_store(location, storage_options=storage_options)
         self.md5 = md5 or self.backend.reports_md5
+        #: Steps of checkpoints that retention leaves alone (:meth:`protect_newer_than`).
+        self.protected: frozenset[int] = frozenset()
 
     @property
     def location(self) -> str:
@@ -126,6 +128,7 @@ class CheckpointStore:
         ``size`` (bytes, in ``files`` files), when known, is checked against the free space
         first (with ``check_space``). Cleans up what a killed writer left before it starts.
         """
+        self.protected -= {step}  # replaced by this writer: its own from now on
         return PendingCheckpoint.start(self, step, size=size, files=files)
 
     def join(self, step: int, folder: str) -> PendingCheckpoint:
@@ -279,6 +282,13 @@ class CheckpointStore:
 
     # -- retention -----------------------------------------------------------------------
 
+    def protect_newer_than(self, step: int) -> None:
+        """Leave every checkpoint newer than ``step`` (the one a run resumed from) out of
+        retention from now on: neither deleted nor counted as kept. A restore passes over a
+        newer checkpoint only when it fails verification or does not fit the objects given;
+        deleting it would lose what the user may still want to inspect or resume."""
+        self.protected = frozenset(s for s, _ in self.checkpoint_folders() if s > step)
+
     def prune(
         self,
         keep: int | None = None,
@@ -319,7 +329,7 @@ class CheckpointStore:
         verify_kept = check_bool("CheckpointStore.prune", "verify_kept", verify_kept)
         if keep is None:
             return []
-        infos = self.list()  # oldest first
+        infos = [i for i in self.list() if i.step not in self.protected]  # oldest first
         verdicts: dict[str, bool] = {}
 
         def verified(info: CheckpointInfo) -> bool:

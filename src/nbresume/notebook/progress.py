@@ -157,6 +157,9 @@ class Snapshot:
     message: str
     #: The training a crash now would lose, and a warning when that is too much.
     at_risk: AtRisk = AtRisk()
+    #: The number of processes of the job that saved the restored checkpoint and of this
+    #: one, where they differ (``None``: the same).
+    reshaped: tuple[int, int] | None = None
 
     def at_risk_text(self) -> str:
         """The last verified checkpoint and what was trained since; the warning instead, when
@@ -308,6 +311,8 @@ class Tracker:
         self.saving: CheckpointView | None = None
         self.failed: CheckpointView | None = None
         self.message = ""
+        #: The change of the number of processes the shown run resumed with (before, after).
+        self.reshaped: tuple[int, int] | None = None
         self._free: tuple[float, int | None] | None = None
         self._session: tuple[float | None, str] = (None, "")
         self._verified: tuple[int, float] | None = None  # step and time of the last VERIFIED
@@ -398,6 +403,7 @@ class Tracker:
         self._reset_progress()
         self._states.clear()
         self.saving = self.failed = None
+        self.reshaped = None
         self._free = None
         self._verified = None
         self._warned = ""
@@ -508,6 +514,9 @@ class Tracker:
             self.running = False
             self.step = step
             self.finished = True
+        elif kind == ev.RESHAPED:
+            self.reshaped = (int(data["before"]), int(data["after"]))
+            self.message = str(data.get("text") or "")
         # Other kinds (added to the core later) change nothing shown.
 
     def _set_state(
@@ -616,6 +625,7 @@ class Tracker:
                 finished=self.finished,
                 message=self.message,
                 at_risk=self._at_risk(ckpt, now),
+                reshaped=self.reshaped,
             )
 
     def _at_risk(self, ckpt: Checkpointer | None, now: float) -> AtRisk:

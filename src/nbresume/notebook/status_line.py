@@ -72,7 +72,7 @@ class StatusLine:
         if event is None or event.kind == "message":
             return
         kind = event.kind
-        if kind == WARNING:
+        if kind in (WARNING, ev.RESHAPED):
             if self.tty:  # the logged warning then starts on a line of its own
                 self._draw(self.line(self.tracker.snapshot()))
                 self._newline()
@@ -104,6 +104,9 @@ class StatusLine:
         parts.append(f"last checkpoint {snap.checkpoint_text()}")
         if snap.deadline is not None:
             parts.append(snap.session_text())
+        if snap.reshaped is not None:
+            before, after = snap.reshaped
+            parts.append(f"world size {before} → {after}: reproducible, not identical")
         if snap.free_bytes is not None:
             parts.append(f"{format_bytes(snap.free_bytes)} free")
         wait = self._data_wait()
