@@ -238,11 +238,8 @@ def test_the_status_line_says_the_world_size_changed(legs: Legs, tmp_path: Path)
     from nbresume.notebook.progress import Tracker
     from nbresume.notebook.status_line import StatusLine
 
-    sys.path.insert(0, str(WORKER.parent))
-    try:
-        from legs_worker import Numbered  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(WORKER.parent))
+    from .legs_worker import Numbered
+
     folder = tmp_path / "run"
     Leg(2, legs.run("leg", 2, folder, "--stop-after", 10)).assert_ended_well()
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 2))
