@@ -11,6 +11,7 @@ the same bits; with a DDP model (replicated) and with an FSDP2 model (resharded)
 from __future__ import annotations
 
 import io
+import json
 import os
 import queue
 import subprocess
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,6 +287,27 @@ def test_a_global_batch_that_does_not_divide_is_refused_with_the_fix(
     again = Leg(1, legs.run("leg", 1, root, "--stop-after", 7))  # 4 per batch divides 20
     again.assert_ended_well()
     assert again.one(0, "start") == "5"
+
+
+def test_a_loader_state_that_does_not_say_how_its_data_was_split_is_refused_mid_epoch(
+    legs: Legs, forge_manifest: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A checkpoint of an earlier nbresume, whose loader state holds no ``replicas``: in a job
+    of another number of processes its epoch cannot be found exactly."""
+    root = tmp_path / "run"
+    Leg(2, legs.run("leg", 2, root, "--stop-after", 5)).assert_ended_well()
+    newest = root / "000000000005"
+    state = json.loads((newest / "state.json").read_text())
+    for key in ("replicas", "batches"):
+        del state["objects"]["loader"][key]
+    (newest / "state.json").write_text(json.dumps(state))
+    forge_manifest(newest)
+    refused = Leg(1, legs.run("leg", 1, root))
+    error = refused.one(0, "error")
+    assert "an nbresume that did not record how the data was split" in error, error
+    assert "Fix: finish this epoch with 2 process(es)" in error
+    assert refused.said(0, "start") == []
+    assert steps_in(root) == [3, 5]
 
 
 def test_each_rank_s_own_seeded_streams_survive_the_wrapped_loader(

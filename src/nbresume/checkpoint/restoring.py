@@ -39,7 +39,7 @@ from nbresume.checkpoint.state import (
 )
 from nbresume.checkpoint.store import LoadedCheckpoint
 from nbresume.checkpoint.trainable import TrainableOnly
-from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeError
+from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeError, UsageError
 
 
 class RestorePlan:
@@ -94,11 +94,35 @@ def plan(
     grown = param_groups.grow(saved.added_groups, saved.objects, objects)
     try:
         checked = _checked_plan(loaded, saved, rng, objects, where=where, grown=grown)
+        _check_loaders(saved, objects, world_size=world_size)
     except BaseException:
         param_groups.shrink(grown)
         raise
     checked.rank, checked.world_size = rank, world_size
     return checked
+
+
+def _check_loaders(saved: SavedState, objects: Mapping[str, Any], *, world_size: int) -> None:
+    """Refuse, before anything is loaded (never by passing the checkpoint over), a wrapped
+    loader whose epoch cannot continue exactly in this job: another batch size or number of
+    processes where the samples trained do not make whole batches of the new shape, another
+    kind of sampler, or a loader state that does not say how its data was split (an earlier
+    nbresume) in a job of another number of processes."""
+    for name, tree in saved.objects.items():
+        loader = objects.get(name)
+        if not isinstance(loader, ResumableLoader) or not isinstance(tree, Mapping):
+            continue
+        unrecorded = "replicas" not in tree and "world_size" not in tree
+        if unrecorded and saved.world_size != world_size and tree.get("position"):
+            raise UsageError(
+                f"{name!r} was saved in the middle of epoch {tree.get('epoch')} by a job of "
+                f"{saved.world_size} process(es) and an nbresume that did not record how the "
+                f"data was split across them; this job has {world_size}, so the rest of the "
+                "epoch cannot be found exactly",
+                fix=f"finish this epoch with {saved.world_size} process(es); a new number of "
+                "processes from the start of an epoch needs nothing",
+            )
+        loader.check_state(tree)
 
 
 def _checked_plan(
@@ -131,12 +155,6 @@ def _checked_plan(
             step=loaded.step,
             differences=differences,
         )
-    for name, tree in saved.objects.items():
-        loader = objects.get(name)
-        if isinstance(loader, ResumableLoader) and isinstance(tree, Mapping):
-            # Another batch size or number of processes that cannot continue the epoch
-            # exactly is refused here, before anything is loaded (never passed over).
-            loader.check_state(tree)
     missing = sorted(objects.keys() - saved.objects.keys() - set(saved.sharded))
     return RestorePlan(loaded.location, saved, rng, missing, grown)
 
