@@ -362,3 +362,57 @@ def test_pull_copies_a_run_log_of_gigabytes_in_bounded_memory(run: Path, tmp_pat
     assert pulled["result"] == 0, pulled["out"]
     assert SAFE_LINE in pulled["out"]
     assert (tmp_path / "pulled" / "nbresume-run.log").stat().st_size == 1 << 30
+
+
+# -- what a checkpoint can make a reader allocate ------------------------------------------------
+
+
+def big_state_json(folder: Path) -> str:
+    # 64 MB of valid JSON (a list of empty lists: 50 times its size once parsed), hashes
+    # matching: refused by the size its manifest records, before a byte is read.
+    with open(folder / "state.json", "wb") as handle:
+        handle.write(b"[" + b"[]," * ((64 << 20) // 3) + b"[]]")
+    return "state.json"
+
+
+def big_header(folder: Path) -> str:
+    # A safetensors header of 95 MB (the official limit is 100 MB) that parses: refused by
+    # its length, before it is parsed or the file hashed.
+    entry = b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},'
+    body = b"".join(entry % i for i in range(95_000_000 // len(entry % 10**6)))
+    header = b"{" + body + b'"w":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}'
+    header += b" " * (-len(header) % 8)
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    return "model.safetensors"
+
+
+MEMORY_DAMAGES: dict[str, Callable[[Path], str]] = {
+    "a 64 MB state.json": big_state_json,
+    "a 95 MB safetensors header": big_header,
+}
+
+
+@pytest.mark.parametrize("damage", list(MEMORY_DAMAGES))
+def test_a_checkpoint_cannot_make_a_reader_allocate_gigabytes(
+    run: Path, tmp_path: Path, damage: str
+) -> None:
+    victim = MEMORY_DAMAGES[damage](run / "000000000020")
+    reseal(run / "000000000020")
+    verify, restored = bounded(("verify", run), ("restore", run), peak_below=1 << 30)
+    lines = failed_lines(verify)
+    assert len(lines) == 1, verify["out"]
+    assert f"000000000020/{victim}" in lines[0], verify["out"]
+    assert "limit" in lines[0] or "header length" in lines[0], verify["out"]
+    assert restored["result"] == 10
+    assert any(victim in w for w in restored["warnings"]), restored["warnings"]
+
+
+def test_a_save_never_writes_a_json_file_larger_than_a_reader_takes(tmp_path: Path) -> None:
+    from nbresume import CheckpointStore
+    from nbresume.checkpoint.format import MAX_JSON_BYTES
+    from nbresume.errors import CheckpointError
+
+    store = CheckpointStore(tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"state\.json would be .* bytes, more than"):
+        store.save(1, data={"state": {"big": "x" * MAX_JSON_BYTES}})
+    assert store.list() == []

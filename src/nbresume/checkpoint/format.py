@@ -42,6 +42,9 @@ TEMP_PREFIX = ".nbresume-tmp-"
 RETIRED_PREFIX = ".nbresume-old-"
 
 MAX_MANIFEST_BYTES = 8 << 20
+#: Largest JSON payload file (``state.json``, a sharded checkpoint's metadata), written or
+#: read: parsing JSON can take fifty times its size in memory, so 32 MiB stays under 2 GB.
+MAX_JSON_BYTES = 32 << 20
 MAX_FILES = 10_000
 #: The hash of a version 1 manifest.
 HASH_ALGORITHM = "sha256"

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from nbresume.checkpoint import tensorfile
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
+    MAX_JSON_BYTES,
     FileEntry,
     Manifest,
     is_valid_file_name,
@@ -161,8 +162,9 @@ class PendingCheckpoint:
         the file is hashed again after the commit instead (always for a :class:`Streamed`
         file, whose pieces are gone once written)."""
         self._check_open()
-        for name, _ in files:
+        for name, chunks in files:
             self._check_new(name)
+            check_json_size(name, size_of([(name, chunks)]))
         with self._failing(size_of(files), len(files)):
             entries = write_files(
                 self._backend,
@@ -446,6 +448,19 @@ def encode(
             ) from None
         files.append((file_name(stem, "json"), [text]))
     return files
+
+
+def check_json_size(name: str, size: int) -> None:
+    """Refuse to write a JSON file larger than a reader takes (:data:`MAX_JSON_BYTES`): a
+    checkpoint that is saved must load."""
+    if name.endswith(".json") and size > MAX_JSON_BYTES:
+        raise CheckpointError(
+            f"{name} would be {size} bytes, more than the {MAX_JSON_BYTES} a checkpoint's JSON "
+            "file may have",
+            where=name,
+            fix="save large values as tensors or NumPy arrays (they go into safetensors files) "
+            "and keep plain values small",
+        )
 
 
 def size_of(files: Iterable[Encoded]) -> int:

@@ -38,6 +38,7 @@ from nbresume.checkpoint import lightning_format, tensorfile
 from nbresume.checkpoint import state as state_document
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
+    MAX_JSON_BYTES,
     MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
@@ -66,9 +67,6 @@ from nbresume.checkpoint.storage import (
     replaced_step,
 )
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-
-#: Largest JSON file of a checkpoint (a sharded checkpoint's metadata is the largest one).
-MAX_JSON_BYTES = 256 << 20
 
 
 def checkpoint_folders(store: Store) -> list[tuple[int, str]]:

@@ -20,7 +20,11 @@ from typing import Any, TypeGuard
 
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
-MAX_HEADER_BYTES = 100_000_000  # the official library's own limit
+#: Largest safetensors header nbresume writes or reads (the official library allows 100 MB).
+#: A header is parsed, to refuse a file that claims more bytes than its tensors hold before
+#: those are read, and parsing JSON takes some twenty times its size: 16 MiB (some 150 000
+#: tensors in one file) keeps that under half a gigabyte.
+MAX_HEADER_BYTES = 16 << 20
 #: Most dimensions a tensor may have (NumPy builds no more than 64).
 MAX_DIMS = 64
 _ALIGN = 8
@@ -219,6 +223,12 @@ def encode(
         offset += raw.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % _ALIGN)
+    if len(text) > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"the header of {len(raws)} tensors is {len(text)} bytes, more than the "
+            f"{MAX_HEADER_BYTES} a checkpoint's safetensors file may have",
+            fix="save fewer, larger tensors in one file (split the state over several names)",
+        )
     prefix = len(text).to_bytes(8, "little")
     return EncodedFile(prefix + text, tuple(raws[name] for name in order))
 

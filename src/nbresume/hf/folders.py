@@ -36,6 +36,7 @@ from nbresume.checkpoint.backends.local import LocalStore
 from nbresume.checkpoint.format import (
     HASH_DIGITS,
     MANIFEST_NAME,
+    MAX_JSON_BYTES,
     FileEntry,
     Manifest,
     is_valid_file_name,
@@ -45,7 +46,7 @@ from nbresume.checkpoint.format import (
 from nbresume.checkpoint.hashing import Digests
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.pending import PendingCheckpoint
-from nbresume.checkpoint.reading import MAX_JSON_BYTES, parse_json
+from nbresume.checkpoint.reading import parse_json
 from nbresume.checkpoint.storage import READ_CHUNK
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
