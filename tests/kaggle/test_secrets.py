@@ -8,6 +8,7 @@ nothing that looks like a real credential to a secret scanner.
 from __future__ import annotations
 
 import json
+import os
 import random
 import string
 from pathlib import Path
@@ -187,3 +188,59 @@ def test_commit_refuses_naming_cell_and_kind_and_prints_no_secret(
                 assert secret[start : start + 8] not in result.text, "a secret was printed"
     assert kaggle_server.api_calls() == []  # nothing reached Kaggle
     assert not (folder / "kernel-metadata.json").exists()
+
+
+def strings_in(value: object) -> list[str]:
+    """Every string of a corpus notebook's JSON (sources, outputs, metadata, attachments)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return [text for item in value for text in strings_in(item)]
+    return []
+
+
+def test_redact_takes_out_every_credential_however_it_is_written() -> None:
+    from nbresume.kaggle.secrets import redact
+
+    from .secrets_corpus import clean_cases, secret_cases
+
+    checked = 0
+    for case in secret_cases():
+        texts = strings_in([case.cells, case.metadata]) + list(case.side_files.values())
+        for text in texts:
+            shown = redact(text)
+            for secret in case.secrets:
+                if secret not in text:
+                    continue  # split into pieces the text does not run together
+                checked += 1
+                # Not the secret, nor any 8 characters of it.
+                for start in range(len(secret) - 8):
+                    assert secret[start : start + 8] not in shown, (case.name, shown)
+    assert checked >= 35
+    line = "loading config: " + corpus(seed=13)["openai"][0][1] + " (from settings)"
+    assert redact(line) == "loading config: [redacted] (from settings)"
+    for case in clean_cases():
+        for text in strings_in([case.cells, case.metadata]) + list(case.side_files.values()):
+            assert redact(text) == text, case.name
+
+
+def test_a_credential_given_on_the_command_line_is_neither_pushed_nor_printed(
+    tmp_path: Path, net_log: Path
+) -> None:
+    folder = tmp_path / "user"
+    folder.mkdir()
+    path = write_notebook(folder / "clean.ipynb", [code("import nbresume")])
+    hf = corpus(seed=31)["huggingface"][0][1]
+    result = nbresume(
+        ["commit", path.name, "--kernel", "someone/clean-run", "--title", hf, "--dry-run"],
+        cwd=folder,
+        env=user_env(tmp_path, None),
+    )
+    assert result.code == 1, result.text
+    assert "a Hugging Face token (hf_...), from a value given on the command line" in result.err
+    assert "caution" not in result.err  # the slug made from the title is not shown either
+    for start in range(len(hf) - 8):
+        assert hf[start : start + 8] not in result.text, "a secret was printed"
+    assert os.listdir(folder) == ["clean.ipynb"]

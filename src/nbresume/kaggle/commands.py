@@ -21,11 +21,12 @@ if TYPE_CHECKING:
 
 
 def _say(line: str) -> None:
-    print(line, flush=True)
+    # Whatever a line holds (a smoke run's output, a file's content), no credential is shown.
+    print(secrets.redact(line), flush=True)
 
 
 def _warn(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    print(secrets.redact(line), file=sys.stderr, flush=True)
 
 
 def smoke(
@@ -83,6 +84,9 @@ def commit(
     bundle = (not internet) if wheel is None else wheel
     title = title or meta.default_title(slug)
     caution = meta.check_title(title, slug)
+    kinds = secrets.kinds_in(f"{kernel}\n{title}")
+    if kinds:
+        return _refuse_given(kinds)
     found = secrets.scan(nb, path.parent)
     if found:
         _warn(secrets.report(found))
@@ -121,6 +125,10 @@ def commit(
         sources=sources,
         extra=existing,
     )
+    # The file as it is pushed (the existing one and the command line were scanned above).
+    kinds = secrets.kinds_in(json.dumps(document, ensure_ascii=False))
+    if kinds:
+        return _refuse_given(kinds)
     for note in (caution, accel.note):
         if note:
             _warn(f"caution: {note}")
@@ -147,6 +155,16 @@ def commit(
         _say(f"follow it with `nbresume status {kernel}`; fetch it with `nbresume pull {kernel}`")
         return 0
     return _follow(kaggle, kernel, legs=legs, poll_s=poll_s, timeout_s=timeout_s, output=output)
+
+
+def _refuse_given(kinds: list[secrets.Kind]) -> int:
+    _warn(
+        f"the {meta.METADATA_FILE} to be pushed would hold "
+        f"{', '.join(k.label for k in kinds)}, from a value given on the command line "
+        "(--kernel, --title); it was not pushed. Fix: give that value without the credential, "
+        "and treat the credential as leaked: revoke it"
+    )
+    return 1
 
 
 #: The owner a dry run shows when no Kaggle user name is configured.

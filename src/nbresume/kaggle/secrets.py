@@ -7,12 +7,16 @@ What is scanned, for the shapes of well-known credentials:
   names and joined later;
 - every saved output (stream text, results, errors, HTML, SVG), each cell's ``metadata``,
   the attachments of markdown cells, and the notebook's metadata;
-- base64 text anywhere in those (a token or a ``kaggle.json`` encoded to hide it), decoded;
-- credential files next to the notebook (``kaggle.json``, ``.env``, ...).
+- what a line of Python undoes, in all of those: base64 (compressed with gzip, zlib, bz2 or xz
+  or not), hex, percent-encoding (a token in a URL), rot13 and reversed text, decoded; and in
+  a cell's Python, lists of character codes (``"".join(map(chr, [...]))``, ``bytes([...])``)
+  and ``chr(...)`` joined;
+- the ``kernel-metadata.json`` that is pushed with the notebook, and credential files next to
+  the notebook (``kaggle.json``, ``.env``, ...).
 
 A finding names the cell (or the file), where in it, and the kind of secret; it never holds or
 prints the secret itself, nor a part of it, so that the report can be shown, logged and pasted
-anywhere.
+anywhere. :func:`redact` takes out of any other text what the scan would find there.
 
 Binary outputs (PNG, JPEG, PDF, ...) are not scanned as text: base64 image data matches short
 patterns by chance. SVG is text and is scanned.
@@ -23,14 +27,20 @@ from __future__ import annotations
 import ast
 import base64
 import binascii
+import bz2
+import codecs
 import contextlib
 import json
+import lzma
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
+from nbresume.kaggle.metadata import METADATA_FILE
 from nbresume.kaggle.notebook import Cell, Notebook
 
 
@@ -136,7 +146,13 @@ KINDS: tuple[Kind, ...] = (
         "private-key",
         "a private key block",
         "wherever the key pair was issued; make a new pair",
-        (re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"),),
+        # The whole block, to its END line (or the text's end): what redact() takes out.
+        (
+            re.compile(
+                r"(?s)-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
+                r"(?:.*?-----END [A-Z0-9 ]*-----|.*)"
+            ),
+        ),
     ),
 )
 
@@ -155,9 +171,23 @@ _BINARY_PREFIXES = (
 #: Files next to the notebook that hold credentials by convention.
 SIDE_FILES = ("kaggle.json", ".env", "*.env", ".env.*", "credentials*", "secrets*", ".netrc")
 _SIDE_FILE_MAX_BYTES = 1 << 20
+#: Files that ``nbresume commit`` pushes with the notebook, scanned whatever they hold.
+PUSHED_FILES = (METADATA_FILE,)
 #: Text that may be base64: decoded and scanned too.
 _BASE64 = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
-_BASE64_DEPTH = 2
+#: Hex that may be text: at least 16 bytes, two digits each (a space or a colon between).
+_HEX = re.compile(r"(?<![0-9A-Za-z])(?:[0-9A-Fa-f]{2}[ :]?){16,}")
+#: A run of URL text with percent-escapes in it (``ghp%5F...``, ``%67%68...``).
+_PERCENT = re.compile(
+    r"(?<![\w.~+%-])(?:[\w.~+-]|%[0-9A-Fa-f]{2})*%[0-9A-Fa-f]{2}(?:[\w.~+-]|%[0-9A-Fa-f]{2})*"
+)
+#: What each credential that rot13 or reversing can hide starts with: text turned around
+#: without one of these holds none, and is not matched against every pattern.
+_PREFIXES = re.compile(r"KGAT_|hf_|sk-|gh[pousr]_|github_pat_|AKIA|ASIA|AIza|wandb_v1_|PRIVATE")
+#: How many encodings deep the scan looks (base64 of base64, hex of gzip, ...).
+_DEPTH = 2
+#: The most bytes a compressed run is unpacked to (a small token needs far fewer).
+_UNPACKED_MAX = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -173,7 +203,9 @@ class SecretFinding:
 
     def __str__(self) -> str:
         # The cell by number only: its first line may be the secret itself.
-        if self.file:
+        if self.file in PUSHED_FILES:
+            place = f"file {self.file}, pushed with the notebook"
+        elif self.file:
             place = f"file {self.file} next to the notebook"
         elif self.cell is not None:
             place = f"cell {self.cell.number} {self.where}"
@@ -182,38 +214,127 @@ class SecretFinding:
         return f"{place}: {self.kind.label}"
 
 
-def _decoded(text: str, depth: int) -> Iterator[str]:
-    """Every base64 run in ``text`` that decodes to text, decoded (and those in it)."""
-    if depth <= 0:
-        return
-    for match in _BASE64.finditer(text):
-        run = match.group(0)
-        for alphabet in (None, b"-_"):
-            padded = run.rstrip("=") + "=" * (-len(run.rstrip("=")) % 4)
-            try:
-                raw = base64.b64decode(padded, altchars=alphabet, validate=True)
-                decoded = raw.decode("utf-8")
-            except (binascii.Error, ValueError):
-                continue
-            if decoded.isprintable() or all(c.isprintable() or c in "\r\n\t" for c in decoded):
-                yield decoded
-                yield from _decoded(decoded, depth - 1)
-                break
+def _unpacked(raw: bytes) -> bytes:
+    """``raw`` decompressed when it starts as gzip, zlib, bz2 or xz data does (at most
+    :data:`_UNPACKED_MAX` bytes); ``raw`` itself otherwise."""
+    unpack: Any
+    zlib_header = len(raw) > 1 and raw[0] == 0x78 and int.from_bytes(raw[:2], "big") % 31 == 0
+    if raw[:2] == b"\x1f\x8b" or zlib_header:
+        unpack = zlib.decompressobj(wbits=47)  # gzip or zlib, told apart by the header
+    elif raw[:3] == b"BZh":
+        unpack = bz2.BZ2Decompressor()
+    elif raw[:6] == b"\xfd7zXZ\x00":
+        unpack = lzma.LZMADecompressor()
+    else:
+        return raw
+    try:
+        out: bytes = unpack.decompress(raw, _UNPACKED_MAX)
+    except (zlib.error, OSError, EOFError, ValueError, lzma.LZMAError):
+        return raw
+    return out
+
+
+def _as_text(raw: bytes) -> str | None:
+    """Decoded bytes as text (unpacked first), or ``None`` when they are not text."""
+    try:
+        text = _unpacked(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if all(c.isprintable() or c in "\r\n\t" for c in text) else None
+
+
+def _from_base64(run: str) -> str | None:
+    bare = run.rstrip("=")
+    padded = bare + "=" * (-len(bare) % 4)
+    for alphabet in (None, b"-_"):
+        try:
+            text = _as_text(base64.b64decode(padded, altchars=alphabet, validate=True))
+        except (binascii.Error, ValueError):
+            continue
+        if text is not None:
+            return text
+    return None
+
+
+def _from_hex(run: str) -> str | None:
+    digits = re.sub("[ :]", "", run)
+    return _as_text(bytes.fromhex(digits[: len(digits) // 2 * 2]))
+
+
+_ENCODINGS: tuple[tuple[re.Pattern[str], Callable[[str], str | None]], ...] = (
+    (_BASE64, _from_base64),
+    (_HEX, _from_hex),
+    (_PERCENT, unquote),
+)
+
+
+def _encoded(text: str) -> Iterator[tuple[tuple[int, int], str]]:
+    """Every run of ``text`` that decodes to other text (base64, hex, percent-escapes): its
+    span and what it decodes to."""
+    for pattern, decode in _ENCODINGS:
+        if pattern is _PERCENT and "%" not in text:
+            continue
+        for match in pattern.finditer(text):
+            decoded = decode(match.group(0))
+            if decoded and decoded != match.group(0):
+                yield match.span(), decoded
+
+
+def _rot13(text: str) -> str:
+    return codecs.encode(text, "rot13")
+
+
+def _turned(text: str) -> Iterator[str]:
+    """``text`` rot13 and reversed, where that shows the start of a credential."""
+    for turned in (_rot13(text), text[::-1]):
+        if _PREFIXES.search(turned):
+            yield turned
+
+
+def _variants(text: str, depth: int) -> Iterator[str]:
+    """``text``, and what a line of Python makes of it: rot13, reversed, and each encoded
+    run decoded (and those in it, ``depth`` deep)."""
+    yield text
+    yield from _turned(text)
+    if depth > 0:
+        for _, decoded in _encoded(text):
+            yield from _variants(decoded, depth - 1)
+
+
+def _spans(text: str) -> Iterator[tuple[Kind, tuple[int, int]]]:
+    """Each credential written plainly in ``text``: its kind and span."""
+    for kind in KINDS:
+        for pattern in kind.patterns:
+            for match in pattern.finditer(text):
+                if kind.accept(match.group(0)):
+                    yield kind, match.span()
 
 
 def kinds_in(text: str) -> list[Kind]:
-    """The kinds of credential that ``text`` contains, as written or base64-encoded."""
-    texts = [text, *_decoded(text, _BASE64_DEPTH)]
-    found = []
-    for kind in KINDS:
-        if any(
-            kind.accept(m.group(0))
-            for pattern in kind.patterns
-            for t in texts
-            for m in pattern.finditer(t)
-        ):
-            found.append(kind)
-    return found
+    """The kinds of credential that ``text`` contains, as written or encoded."""
+    seen = {kind.id for variant in _variants(text, _DEPTH) for kind, _ in _spans(variant)}
+    return [kind for kind in KINDS if kind.id in seen]
+
+
+def redact(text: str) -> str:
+    """``text`` with every credential the scan finds in it replaced by ``[redacted]``: as
+    written, reversed or rot13, and each encoded run that hides one, whole."""
+    end = len(text)
+    spans = [span for _, span in _spans(text)]
+    rot13, reversed_ = _rot13(text), text[::-1]
+    if _PREFIXES.search(rot13):  # rot13 keeps every character in its place
+        spans += [span for _, span in _spans(rot13)]
+    if _PREFIXES.search(reversed_):
+        spans += [(end - stop, end - start) for _, (start, stop) in _spans(reversed_)]
+    spans += [span for span, decoded in _encoded(text) if kinds_in(decoded)]
+    out, done = [], 0
+    for start, stop in sorted(spans):
+        if stop <= done:
+            continue
+        if start >= done:
+            out += [text[done:start], "[redacted]"]
+        done = stop
+    return "".join([*out, text[done:]])
 
 
 def _texts(value: Any) -> Iterator[str]:
@@ -232,9 +353,27 @@ def _texts(value: Any) -> Iterator[str]:
             yield from _texts(item)
 
 
+#: The fewest character codes in a list that may spell a credential.
+_CODES_MIN = 16
+
+
+def _codes(node: ast.AST) -> str | None:
+    """The text a list of character codes spells (``[104, 102, ...]``, as
+    ``"".join(map(chr, ...))`` or ``bytes(...).decode()`` turn it into text)."""
+    if not isinstance(node, (ast.List, ast.Tuple, ast.Set)) or len(node.elts) < _CODES_MIN:
+        return None
+    codes = [
+        e.value
+        for e in node.elts
+        if isinstance(e, ast.Constant) and type(e.value) is int and 0 < e.value < 0x110000
+    ]
+    return "".join(map(chr, codes)) if len(codes) == len(node.elts) else None
+
+
 class _Strings:
-    """The strings a notebook's Python builds from literals: concatenations, joins, f-strings
-    and names assigned at the top level, followed from cell to cell."""
+    """The strings a notebook's Python builds from literals: concatenations, joins, f-strings,
+    ``chr()`` and lists of character codes, and names assigned at the top level, followed
+    from cell to cell."""
 
     def __init__(self) -> None:
         self.names: dict[str, str] = {}
@@ -247,6 +386,9 @@ class _Strings:
                     value = self.fold(node)
                     if value:
                         out.append(value)
+                spelled = _codes(node)
+                if spelled:
+                    out.append(spelled)
             if isinstance(statement, (ast.Assign, ast.AnnAssign)) and statement.value:
                 value = self.fold(statement.value)
                 targets = (
@@ -297,6 +439,16 @@ class _Strings:
             if glue is None or any(i is None for i in items):
                 return None
             return glue.join(i for i in items if i is not None)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "chr"
+            and len(node.args) == 1
+            and isinstance(node.args[0], ast.Constant)
+            and type(node.args[0].value) is int
+            and 0 < node.args[0].value < 0x110000
+        ):
+            return chr(node.args[0].value)
         return None
 
 
@@ -348,10 +500,11 @@ def scan(notebook: Notebook, folder: Path | None = None) -> list[SecretFinding]:
 
 
 def scan_files(folder: Path) -> list[SecretFinding]:
-    """Credential files (:data:`SIDE_FILES`) in ``folder`` that hold a credential."""
+    """The files pushed with the notebook (:data:`PUSHED_FILES`) and credential files
+    (:data:`SIDE_FILES`) in ``folder`` that hold a credential."""
     found: list[SecretFinding] = []
     seen: set[Path] = set()
-    for pattern in SIDE_FILES:
+    for pattern in (*PUSHED_FILES, *SIDE_FILES):
         for path in sorted(folder.glob(pattern)):
             if path in seen or not path.is_file():
                 continue
@@ -393,7 +546,13 @@ def report(findings: list[SecretFinding]) -> str:
         "treat them as leaked and revoke them; on Kaggle read secrets with "
         "kaggle_secrets.UserSecretsClient().get_secret(NAME) (Add-ons → Secrets)."
     )
-    if any(f.file for f in findings):
+    files = {f.file for f in findings if f.file}
+    if files & set(PUSHED_FILES):
+        lines.append(
+            f"  Delete them from {METADATA_FILE}: it is pushed with the notebook, and nbresume "
+            "keeps what it holds beyond the command line's settings."
+        )
+    if files - set(PUSHED_FILES):
         lines.append(
             "  Move credential files out of the notebook's folder (kaggle.json belongs in "
             "~/.kaggle/): whatever is in that folder is one command away from being uploaded."

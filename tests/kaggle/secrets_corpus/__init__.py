@@ -10,6 +10,8 @@ characters of one.
 from __future__ import annotations
 
 import base64
+import codecs
+import gzip
 import json
 import random
 import string
@@ -225,6 +227,43 @@ def secret_cases(seed: int = 2026) -> list[Case]:
         [key],
     )
 
+    # Disguises a line of Python undoes: hex, rot13, character codes, reversed, gzip and
+    # base64, percent-escapes in a URL.
+    hf = t.hf()
+    encoded = hf.encode().hex()
+    add("hex-encoded", [code(f'token = bytes.fromhex("{encoded}").decode()')], [hf, encoded])
+    key = t.openai()
+    encoded = codecs.encode(key, "rot13")
+    add("rot13", [code(f'api_key = codecs.decode("{encoded}", "rot13")')], [key, encoded])
+    key = t.github()
+    codes = ", ".join(str(ord(c)) for c in key)
+    add("chr-codes", [code(f"token = ''.join(map(chr, [{codes}]))")], [key])
+    hf = t.hf()
+    add("chr-calls", [code("token = " + " + ".join(f"chr({ord(c)})" for c in hf))], [hf])
+    key = t.google()
+    add("reversed", [code(f'maps_key = "{key[::-1]}"[::-1]')], [key, key[::-1]])
+    hf = t.hf()
+    encoded = base64.b64encode(gzip.compress(hf.encode(), mtime=0)).decode()
+    add(
+        "gzip-base64",
+        [code(f'token = gzip.decompress(base64.b64decode("{encoded}")).decode()')],
+        [hf, encoded],
+    )
+    key = t.github()
+    escaped = "".join(f"%{b:02X}" for b in key.encode())
+    add(
+        "percent-clone-url",
+        [code(f"!git clone https://{escaped}@github.com/me/private-repo")],
+        [key, escaped],
+    )
+    key = t.github()
+    escaped = key.replace("_", "%5F")
+    add(
+        "percent-clone-url-user",
+        [code(f'url = "https://me:{escaped}@github.com/me/private-repo.git"')],
+        [key, escaped],
+    )
+
     # A Kaggle key's shape (32 hex) under a key-like name.
     key = t.kaggle_key()
     add("hex-api-key", [code(f'api_key = "{key}"')], [key])
@@ -328,6 +367,28 @@ def secret_cases(seed: int = 2026) -> list[Case]:
         )
     )
 
+    # The kernel-metadata.json that is pushed with the notebook.
+    hf = t.hf()
+    cases.append(
+        Case(
+            "kernel-metadata",
+            [code(INIT)],
+            [hf],
+            where="file",
+            side_files={
+                "kernel-metadata.json": json.dumps(
+                    {
+                        "id": "someone/corpus-run",
+                        "code_file": "kernel-metadata.ipynb",
+                        "title": "Corpus Run",
+                        "dataset_sources": [],
+                        "notes": f"HF_TOKEN={hf}",
+                    }
+                )
+            },
+        )
+    )
+
     # A Python script kernel.
     hf = t.hf()
     cases.append(
@@ -345,6 +406,8 @@ def clean_cases(seed: int = 77) -> list[Case]:
     run_id = t.draw(HEX, 32)
     png = t.draw(B64, 3000)
     plain = b64("epochs=3 lr=0.001 batch=32")
+    packed = base64.b64encode(gzip.compress(b"epochs=3 lr=0.001 batch=32", mtime=0)).decode()
+    input_ids = ", ".join(str(t.rng.randrange(100, 30000)) for _ in range(40))
     cases = [
         Case(
             "sklearn-baseline",
@@ -414,6 +477,44 @@ def clean_cases(seed: int = 77) -> list[Case]:
             "script",
             [code(f'{INIT}\nprint("sk-learn-baseline-rf-500-trees", "{commit}")\n')],
             script=True,
+        ),
+        Case(
+            "encoded-settings",
+            [
+                code(INIT),
+                code(
+                    f'png_magic = bytes.fromhex("89504e470d0a1a0a0000000d49484452{sha[:32]}")\n'
+                    f'settings = gzip.decompress(base64.b64decode("{packed}"))\n'
+                    'greeting = codecs.decode("uryyb sebz gur zbqry", "rot13")\n'
+                    'title = "gninrael peed"[::-1]'
+                ),
+            ],
+        ),
+        Case(
+            "token-ids-and-urls",
+            [
+                code(INIT),
+                code(
+                    f"input_ids = [{input_ids}]\n"
+                    'search = "https://example.com/q?text=deep%20learning%2Bpytorch&page=2"\n'
+                    "!wget -q https://example.com/data/train%20set%202024.zip"
+                ),
+            ],
+        ),
+        Case(
+            "kernel-metadata-clean",
+            [code(INIT)],
+            side_files={
+                "kernel-metadata.json": json.dumps(
+                    {
+                        "id": "someone/corpus-run",
+                        "code_file": "kernel-metadata-clean.ipynb",
+                        "title": "Corpus Run",
+                        "dataset_sources": ["someone/cifar-10"],
+                        "kernel_sources": [f"someone/run-{commit[:8]}"],
+                    }
+                )
+            },
         ),
     ]
     return cases
