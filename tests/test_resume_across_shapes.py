@@ -49,12 +49,20 @@ def test_retention_never_deletes_a_newer_checkpoint_the_run_passed_over(tmp_path
     assert steps_in(run) == [7, 8, 10]
 
 
-def numbered_run(folder: Path, sampler: str, *, stop_after: int | None = None) -> list[int]:
-    """One epoch over 24 numbered samples, 4 a batch, read through a DistributedSampler of
-    one process or a plain shuffled DataLoader; the samples trained, in order."""
+class OwnSplit(DistributedSampler[int]):
+    """A sampler of one's own that splits the data by rank (nbresume cannot know its order)."""
+
+
+def numbered_run(
+    folder: Path, sampler: str, *, stop_after: int | None = None, replicas: int = 1
+) -> list[int]:
+    """One epoch over 24 numbered samples, 4 a batch, read through a DistributedSampler (as
+    rank 0 of ``replicas``), a sampler of one's own that splits the same way, or a plain
+    shuffled DataLoader; the samples trained, in order."""
     data = TensorDataset(torch.arange(24))
-    if sampler == "distributed":
-        split = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=5)
+    if sampler in ("distributed", "own"):
+        kind = DistributedSampler if sampler == "distributed" else OwnSplit
+        split = kind(data, num_replicas=replicas, rank=0, shuffle=True, seed=5)
         loader = DataLoader(data, batch_size=4, sampler=split)
     else:
         loader = DataLoader(data, batch_size=4, shuffle=True)
@@ -86,3 +94,14 @@ def test_a_sampler_that_splits_otherwise_mid_epoch_is_refused_with_the_fix(
     # With the same sampler again, the epoch ends exactly.
     tail = numbered_run(folder, "distributed")
     assert sorted(head + tail) == list(range(24))
+
+
+def test_a_split_of_one_s_own_is_followed_only_in_the_same_number_of_processes(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "run"
+    numbered_run(folder, "own", stop_after=1, replicas=2)
+    with pytest.raises(UsageError, match="a sampler whose order nbresume cannot follow") as refused:
+        numbered_run(folder, "own", replicas=1)
+    assert refused.value.fix.startswith("finish this epoch with 2 process(es)")
+    assert len(numbered_run(folder, "own", replicas=2)) == 8  # the rest of rank 0's share

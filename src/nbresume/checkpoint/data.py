@@ -431,8 +431,18 @@ def _position_for(
     if isinstance(ended, int) and position >= ended and batches is not None:
         # Every batch of the epoch was handed out: it is over here too.
         return batches, "", logging.INFO
-    if saved_split != split and (saved_split is None or split is None or not global_order):
+    if saved_split != split and (saved_split is None or split is None):
         raise _split_changed(epoch, saved_split, split)
+    if saved_split != split and not global_order:
+        raise UsageError(
+            f"epoch {epoch} was trained partway with its data split across {saved_split} "
+            f"process(es), and this job splits it across {split} with a sampler whose order "
+            "nbresume cannot follow across a change in the number of processes (only torch's "
+            "own DistributedSampler, in plain batches, has one order for any number)",
+            fix=f"finish this epoch with {saved_split} process(es), or read the data through "
+            "torch's DistributedSampler; a new number of processes from the start of an "
+            "epoch needs nothing",
+        )
     before = (saved_split or 1) * (saved_batch or 1)
     now = (split or 1) * (batch_size or 1)
     samples = position * before
