@@ -38,10 +38,7 @@ import importlib
 import logging
 import os
 import random
-import shutil
-import socket
 import sys
-import tempfile
 import warnings
 from typing import Any
 
@@ -229,12 +226,6 @@ def run_rank(rank: int, world: int, port: int, argv: list[str]) -> int:
     return 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def import_once() -> None:
     """Import here what every leg would import again in each rank (DDP imports torch's
     compiler stack, seconds of work on a busy machine)."""
@@ -251,45 +242,11 @@ def import_once() -> None:
 
 
 def main() -> None:
+    import rank_server  # a sibling when run as a script (a test may import this module)
+
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     import_once()
-    for line in sys.stdin:
-        argv = line.split()
-        if not argv:
-            continue
-        world = int(argv[1])
-        port = free_port()
-        sys.stdout.flush()
-        errors = tempfile.mkdtemp(prefix="legs-stderr-")
-        children = {}
-        for rank in range(world):
-            pid = os.fork()
-            if pid == 0:
-                # The rank's stderr in a file of its own (C++ code writes to fd 2 directly),
-                # printed with the rank's name once it is gone.
-                stderr = os.open(
-                    os.path.join(errors, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
-                )
-                os.dup2(stderr, 2)
-                os.close(stderr)
-                code = 1
-                try:
-                    code = run_rank(rank, world, port, argv)
-                finally:
-                    sys.stdout.flush()
-                    os._exit(code)
-            children[pid] = rank
-        codes = {}
-        while children:
-            pid, status = os.wait()
-            codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
-        for rank in sorted(codes):
-            with open(os.path.join(errors, str(rank)), errors="replace") as written:
-                for text in written:
-                    print(f"rank{rank} stderr {text.rstrip()}", flush=True)
-            print("exit", rank, codes[rank], flush=True)
-        shutil.rmtree(errors, ignore_errors=True)
-        print("done", flush=True)
+    rank_server.serve(run_rank, world=lambda argv: int(argv[1]))
 
 
 if __name__ == "__main__":

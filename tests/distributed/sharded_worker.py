@@ -37,11 +37,8 @@ import datetime
 import hashlib
 import json
 import os
-import shutil
 import signal
-import socket
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -240,50 +237,13 @@ def run_rank(rank: int, port: int, argv: list[str]) -> int:
     return 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> None:
+    import rank_server  # a sibling when run as a script (a test may import this module)
+
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-    for line in sys.stdin:
-        argv = line.split()
-        if not argv:
-            continue
-        port = free_port()
-        sys.stdout.flush()
-        errors = tempfile.mkdtemp(prefix="sharded-stderr-")
-        children = {}
-        for rank in range(2):
-            pid = os.fork()
-            if pid == 0:
-                # The rank's stderr in a file of its own (C++ code writes to fd 2 directly),
-                # printed with the rank's name once it is gone.
-                stderr = os.open(
-                    os.path.join(errors, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
-                )
-                os.dup2(stderr, 2)
-                os.close(stderr)
-                code = 1
-                try:
-                    code = run_rank(rank, port, argv)
-                finally:
-                    sys.stdout.flush()
-                    os._exit(code)
-            children[pid] = rank
-        codes = {}
-        while children:
-            pid, status = os.wait()
-            codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
-        for rank in sorted(codes):
-            with open(os.path.join(errors, str(rank)), errors="replace") as written:
-                for text in written:
-                    print(f"rank{rank} stderr {text.rstrip()}", flush=True)
-            print("exit", rank, codes[rank], flush=True)
-        shutil.rmtree(errors, ignore_errors=True)
-        print("done", flush=True)
+    rank_server.serve(
+        lambda rank, world, port, argv: run_rank(rank, port, argv), world=lambda argv: 2
+    )
 
 
 if __name__ == "__main__":

@@ -8,14 +8,8 @@ The single-process tests at the end run the same code without a process group (o
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import queue
 import shutil
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,53 +23,18 @@ from nbresume.checkpoint.sharded import load_sharded, save_sharded
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import NoCheckpointError
 
+from .rank_server import RankServer
 from .teardown import RankEnd, problems
 
 WORKER = Path(__file__).parent / "sharded_worker.py"
-RUN_TIMEOUT_S = 180
 
 
-class Cluster:
-    """The worker server: each :meth:`run` forks two fresh ranks and returns their lines."""
+class Cluster(RankServer):
+    """The worker server: each :meth:`run` forks the ranks of one fresh job and returns
+    their lines."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put("<eof>")
-
-    def run(self, *args: object) -> list[str]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(" ".join(str(a) for a in args) + "\n")
-        self.proc.stdin.flush()
-        out: list[str] = []
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while True:
-            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            if line in ("done", "<eof>"):
-                return out
-            out.append(line)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        super().__init__(WORKER)
 
 
 def said(lines: list[str], rank: int, word: str) -> list[str]:

@@ -12,12 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import queue
-import subprocess
-import sys
-import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from .rank_server import RankServer
 from .teardown import RankEnd, problems
 
 WORKER = Path(__file__).with_name("legs_worker.py")
-RUN_TIMEOUT_S = 180
 SAMPLES = 48
 #: The legs of one run: (ranks, stop after this step; None: train to the end).
 LEGS = ((2, 10), (1, 16), (2, None))
@@ -36,48 +30,12 @@ LEGS = ((2, 10), (1, 16), (2, None))
 KEPT_AFTER = ([6, 9, 10], [10, 13, 16], [19, 22, 24])
 
 
-class Legs:
+class Legs(RankServer):
     """The worker server: each :meth:`run` forks the ranks of one fresh job and returns
     their lines."""
 
     def __init__(self, tmp: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)},
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put("<eof>")
-
-    def run(self, *args: object) -> list[str]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(" ".join(str(a) for a in args) + "\n")
-        self.proc.stdin.flush()
-        out: list[str] = []
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while True:
-            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            if line in ("done", "<eof>"):
-                return out
-            out.append(line)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        super().__init__(WORKER, tmp)
 
 
 @dataclass

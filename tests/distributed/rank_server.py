@@ -1,0 +1,125 @@
+"""Jobs of several ranks forked from one warm process, so that a test can run many short
+distributed jobs without paying torch's import for each rank.
+
+Both sides of it live here:
+
+- in a worker script (``sharded_worker.py``, ``legs_worker.py``), :func:`serve` reads one
+  command a line from stdin, forks the ranks of a fresh job for it (each with a free port for
+  its process group), waits for all of them, prints each rank's stderr as ``rankN stderr ...``
+  lines, then ``exit RANK CODE`` per rank and ``done``;
+- in a test, :class:`RankServer` starts such a script and returns the lines of each job.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+#: How long one job may take before the test gives up on it.
+RUN_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serve(
+    run_rank: Callable[[int, int, int, list[str]], int], world: Callable[[list[str]], int]
+) -> None:
+    """The worker's loop: for each command line, fork ``world(argv)`` ranks that each run
+    ``run_rank(rank, world, port, argv)`` and exit with what it returns."""
+    for line in sys.stdin:
+        argv = line.split()
+        if not argv:
+            continue
+        size = world(argv)
+        port = free_port()
+        sys.stdout.flush()
+        errors = tempfile.mkdtemp(prefix="ranks-stderr-")
+        children = {}
+        for rank in range(size):
+            pid = os.fork()
+            if pid == 0:
+                # The rank's stderr in a file of its own (C++ code writes to fd 2 directly),
+                # printed with the rank's name once it is gone.
+                stderr = os.open(
+                    os.path.join(errors, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
+                )
+                os.dup2(stderr, 2)
+                os.close(stderr)
+                code = 1
+                try:
+                    code = run_rank(rank, size, port, argv)
+                finally:
+                    sys.stdout.flush()
+                    os._exit(code)
+            children[pid] = rank
+        codes = {}
+        while children:
+            pid, status = os.wait()
+            codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        for rank in sorted(codes):
+            with open(os.path.join(errors, str(rank)), errors="replace") as written:
+                for text in written:
+                    print(f"rank{rank} stderr {text.rstrip()}", flush=True)
+            print("exit", rank, codes[rank], flush=True)
+        shutil.rmtree(errors, ignore_errors=True)
+        print("done", flush=True)
+
+
+class RankServer:
+    """A worker script as a test's server of jobs: each :meth:`run` forks the ranks of one
+    fresh job and returns their lines. ``tmp``, where given, is the ranks' ``TMPDIR``."""
+
+    def __init__(self, worker: Path, tmp: Path | None = None) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if tmp is not None:
+            env["TMPDIR"] = str(tmp)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(worker)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put("<eof>")
+
+    def run(self, *args: object) -> list[str]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(str(a) for a in args) + "\n")
+        self.proc.stdin.flush()
+        out: list[str] = []
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            if line in ("done", "<eof>"):
+                return out
+            out.append(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
