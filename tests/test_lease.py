@@ -596,6 +596,24 @@ def test_on_an_object_store_a_fresh_lease_is_refused_and_an_expired_one_taken(
     assert not fs.exists(path)
 
 
+def test_on_an_object_store_a_folder_in_the_lease_files_place_is_named_with_the_fix(
+    memory_url: str,
+) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    inside = memory_url.removeprefix("memory://") + f"/{LEASE_NAME}/notes.txt"
+    fs.pipe_file(inside, b"a user's file")
+    ckpt = Checkpointer(memory_url, counter=Counter(), **QUIET)
+    with pytest.raises(StorageError) as refused:
+        ckpt.save(step=1, block=True)
+    assert refused.value.where == f"{memory_url}/{LEASE_NAME}"
+    assert "is a folder, not a file" in str(refused.value)
+    assert "move the objects under that name elsewhere" in refused.value.fix
+    ckpt.close()
+    assert fs.cat_file(inside) == b"a user's file"
+
+
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback, a fresh bucket, and what a client needs to reach it."""

@@ -28,10 +28,10 @@ A lease whose holder is gone is taken over, with a warning:
 A lease file is data from anywhere, and read as such: one that does not parse, or holds a
 value nbresume never writes (a time that is not finite or out of range, a pid no process can
 have, a field of another type), is a lease that cannot be read, and is taken over as stale.
-Something else in the lease file's place in a local folder (a folder, a named pipe, a
-symbolic link) is never opened or followed, and never removed: taking the lease (at the first
-save, as for a folder that cannot be written, or by ``nbresume prune``) fails with an error
-that names it and the fix.
+Something else in the lease file's place (a folder, a named pipe, a symbolic link; objects
+under that name on an object store) is never opened or followed, and never removed: taking
+the lease (at the first save, as for a folder that cannot be written, or by ``nbresume
+prune``) fails with an error that names it and the fix.
 
 Taking the lease:
 

@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from nbresume.checkpoint.backends.base import SMALL_FILE_LIMIT, Backend
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
+from nbresume.errors import StorageError
 
 
 class FsspecStore(Backend):
@@ -142,6 +143,15 @@ class FsspecStore(Backend):
         try:
             data: bytes = self.fs.cat_file(path, start=0, end=SMALL_FILE_LIMIT)
         except FileNotFoundError:
+            if self.fs.isdir(path):
+                # Writing the file there would fail, or hide the objects under that name.
+                raise StorageError(
+                    f"{self.child(name)} is a folder, not a file: nbresume keeps its writer "
+                    "lease in a small file of its own under this name",
+                    where=self.child(name),
+                    fix="move the objects under that name elsewhere, then run again: nbresume "
+                    "creates the file itself",
+                ) from None
             return None
         return data
 
