@@ -368,8 +368,8 @@ def test_a_closed_checkpointer_does_not_take_the_folder_from_a_newer_one(tmp_pat
 
 def this_machine() -> dict[str, str]:
     """The host and machine fields a lease written on this machine carries."""
-    folder_lease = this_process("", 0.0, 180.0, "")
-    return {"host": folder_lease.host, "machine": folder_lease.machine}
+    me = this_process("", 0.0, 180.0, "")
+    return {"host": me.host, "machine": me.machine}
 
 
 # Each is a lease file as a hostile or broken writer could leave it: a value nbresume never
