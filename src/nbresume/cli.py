@@ -285,6 +285,12 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         return _usage(args, str(exc))
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from nbresume.kaggle.push import push
+
+    return push(args.dir, args.kaggle_dataset, name=args.name, step=args.step)
+
+
 def _usage(args: argparse.Namespace, message: str) -> int:
     """A usage error found after parsing: reported as argparse does, exit status 2."""
     print(f"nbresume {_name(args)}: error: {message}", file=sys.stderr)
@@ -364,6 +370,7 @@ def _cmd_commit(args: argparse.Namespace) -> int:
         output=args.output,
         dry_run=args.dry_run,
         wheel=args.wheel,
+        datasets=tuple(args.dataset or ()),
     )
 
 
@@ -380,6 +387,16 @@ def _kaggle_ref(text: str) -> str:
 
     try:
         parse_ref(text)
+    except NbresumeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _kaggle_dataset(text: str) -> str:
+    from nbresume.kaggle.push import check_dataset_ref
+
+    try:
+        check_dataset_ref(text)
     except NbresumeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
@@ -519,6 +536,13 @@ def _add_kaggle_parsers(sub: Any) -> None:
         default=None,
         help="upload the installed nbresume as the private dataset OWNER/nbresume-wheel and "
         "attach it, for an install with internet off (default: with --no-internet)",
+    )
+    p.add_argument(
+        "--dataset",
+        action="append",
+        type=_kaggle_dataset,
+        metavar="OWNER/SLUG",
+        help="attach this dataset (repeat for more), such as one made by `nbresume push`",
     )
     p.add_argument(
         "--chain", action="store_true", help="then follow the run leg after leg until done"
@@ -680,6 +704,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_pull)
 
+    p = sub.add_parser(
+        "push",
+        help="upload a run's checkpoint, verified, as a Kaggle dataset",
+        description="Upload the newest committed checkpoint of DIR (or --step N) as a new "
+        "version of the private Kaggle dataset OWNER/SLUG, in the layout nbresume/NAME/STEP/ "
+        "that nbresume.init(NAME) finds in a Kaggle notebook with the dataset attached. The "
+        "checkpoint is copied and every file checked against its manifest first; one that "
+        "does not verify is not uploaded. Needs Kaggle credentials (KAGGLE_USERNAME and "
+        "KAGGLE_KEY, or kaggle.json).",
+    )
+    p.add_argument("dir", help="the run's checkpoint folder: a path or an fsspec URL")
+    p.add_argument(
+        "--kaggle-dataset",
+        required=True,
+        type=_kaggle_dataset,
+        metavar="OWNER/SLUG",
+        help="the private dataset to upload to (made by the first push)",
+    )
+    p.add_argument(
+        "--name", help="the run's name in nbresume.init (default: the folder's last part)"
+    )
+    p.add_argument("--step", type=int, help="push this step rather than the newest")
+    p.set_defaults(func=_cmd_push)
+
     _add_kaggle_parsers(sub)
 
     p = sub.add_parser(
@@ -823,7 +871,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- problems in the user's world: one line each, with the fix --------------------------------
 
 #: The command's argument that names a checkpoint folder.
-_FOLDER_ARGUMENT = {"ls": "dir", "verify": "dir", "prune": "dir", "status": "target", "pull": "src"}
+_FOLDER_ARGUMENT = {
+    "ls": "dir",
+    "verify": "dir",
+    "prune": "dir",
+    "status": "target",
+    "pull": "src",
+    "push": "dir",
+}
 
 #: The package behind an fsspec URL scheme, and what to install for it.
 _BACKEND_PACKAGES = {

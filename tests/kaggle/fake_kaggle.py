@@ -24,7 +24,9 @@ A version runs in a folder laid out like a Kaggle machine (``kaggle/working``,
 ``kaggle/input``, ``kaggle/temp``; ``NBRESUME_KAGGLE_ROOT`` points nbresume at it), as a
 batch run (``KAGGLE_KERNEL_RUN_TYPE=Batch``), executed by papermill with the notebook's own
 kernelspec. Attached notebooks (``kernelDataSources``) are the latest complete version's
-output, copied read-only under ``input/notebooks/<owner>/<slug>/``. The session limit
+output, copied read-only under ``input/notebooks/<owner>/<slug>/``; attached datasets
+(``datasetDataSources``) are their latest version under ``input/<slug>/``, an uploaded archive
+unpacked into a folder of its name, as Kaggle's backend does. The session limit
 (``sessionTimeoutSeconds``, else :attr:`FakeKaggle.session_limit_s`) is enforced by killing
 the run, and told to nbresume as the platform cap (``NBRESUME_SESSION_CAP``), as the real
 cap is known on Kaggle, so that ``deadline="auto"`` stops before it. Internet on or off is
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import json
 import os
 import secrets
@@ -44,8 +47,10 @@ import socket
 import stat
 import subprocess
 import sys
+import tarfile
 import threading
 import time
+import zipfile
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -459,7 +464,7 @@ class FakeKaggle:
             target = kaggle / "input" / dataset.slug
             target.mkdir(parents=True)
             for name, data in dataset.versions[-1].items():
-                (target / name).write_bytes(data)
+                _unpack_into(target, name, data)
             _read_only(target)
         (version.machine / "home").mkdir(exist_ok=True)
         source_name = "__script__.py" if self._is_script(version) else "__notebook_source__.ipynb"
@@ -572,6 +577,24 @@ class FakeKaggle:
         else:
             version.status = "COMPLETE"
         version.finished.set()
+
+
+def _unpack_into(target: Path, name: str, data: bytes) -> None:
+    """A dataset file as a notebook sees it: an archive (the client's upload of a folder,
+    ``--dir-mode zip|tar``) unpacked by Kaggle into a folder of its name, any other file as
+    it is."""
+    stem, dot, kind = name.rpartition(".")
+    if dot and kind in ("zip", "tar"):
+        folder = target / stem
+        folder.mkdir()
+        if kind == "zip":
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                archive.extractall(folder)
+        else:
+            with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+                archive.extractall(folder, filter="data")
+        return
+    (target / name).write_bytes(data)
 
 
 def _kill(process: subprocess.Popen[bytes] | None) -> None:

@@ -146,6 +146,13 @@ def _import_api() -> Any:
     return KaggleApi
 
 
+#: What to do when Kaggle refuses the upload of nbresume's wheel as a dataset.
+_WHEEL_DATASET_FIX = (
+    "commit with --internet (the notebook then installs nbresume with pip), "
+    "or with --no-wheel if the notebook installs nbresume itself"
+)
+
+
 class Kaggle:
     """An authenticated connection to Kaggle's API (see the module docstring)."""
 
@@ -224,10 +231,22 @@ class Kaggle:
         description = info.get("description") if isinstance(info, dict) else None
         return str(description) if description else None
 
-    def publish_dataset(self, folder: Path, ref: str, title: str, description: str = "") -> str:
+    def publish_dataset(
+        self,
+        folder: Path,
+        ref: str,
+        title: str,
+        description: str = "",
+        *,
+        dir_mode: str = "skip",
+        notes: str = "uploaded by nbresume commit",
+        fix: str = _WHEEL_DATASET_FIX,
+    ) -> str:
         """Upload the files of ``folder`` as a new version of the private dataset ``ref``
         (made by the first upload), with ``description``; return the dataset's URL.
-        ``dataset-metadata.json`` is written into ``folder``."""
+        ``dataset-metadata.json`` is written into ``folder``. ``dir_mode="tar"`` uploads each
+        sub-folder as an archive that Kaggle unpacks into the dataset, keeping its layout;
+        ``fix`` is said when Kaggle refuses the upload."""
         import json
 
         document = {"id": ref, "title": title, "licenses": [{"name": "other"}]}
@@ -245,11 +264,11 @@ class Kaggle:
                     exists = False
                 if exists:
                     response = self.api.dataset_create_version(
-                        str(folder), "uploaded by nbresume commit", quiet=True, dir_mode="skip"
+                        str(folder), notes, quiet=True, dir_mode=dir_mode
                     )
                 else:
                     response = self.api.dataset_create_new(
-                        str(folder), public=False, quiet=True, dir_mode="skip"
+                        str(folder), public=False, quiet=True, dir_mode=dir_mode
                     )
         except ValueError as exc:
             raise KaggleError(
@@ -259,11 +278,7 @@ class Kaggle:
             raise self._translate(exc, f"uploading the dataset {ref}") from None
         if response is None or response.error:
             error = response.error if response is not None else "no answer"
-            raise KaggleError(
-                f"Kaggle refused the dataset {ref}: {error}",
-                fix="commit with --internet (the notebook then installs nbresume with pip), "
-                "or with --no-wheel if the notebook installs nbresume itself",
-            )
+            raise KaggleError(f"Kaggle refused the dataset {ref}: {error}", fix=fix)
         self._wait_dataset_ready(ref)
         return str(response.url or "")
 

@@ -65,11 +65,13 @@ def commit(
     output: str | None = None,
     dry_run: bool = False,
     wheel: bool | None = None,
+    datasets: tuple[str, ...] = (),
 ) -> int:
     """``nbresume commit NOTEBOOK --kernel owner/slug``: scan, lint, smoke, write
     kernel-metadata.json, push, and with ``chain`` follow the legs. With ``dry_run`` print the
     kernel-metadata.json instead of writing and pushing it (no credentials needed). With
-    internet off (or ``wheel``), nbresume's wheel is uploaded as a dataset and attached."""
+    internet off (or ``wheel``), nbresume's wheel is uploaded as a dataset and attached;
+    ``datasets`` are attached too."""
     path = Path(notebook)
     nb = nbfile.load(path)
     kernel = kernel or _default_kernel(path, dry_run)
@@ -113,8 +115,9 @@ def commit(
     existing = meta.read_existing(path.parent, path.name)
     dataset = f"{owner}/{WHEEL_DATASET}"
     sources = {key: list(existing.get(key) or []) for key in meta.SOURCE_KEYS}
-    if bundle and dataset not in sources["dataset_sources"]:
-        sources["dataset_sources"].append(dataset)
+    for wanted_set in (*datasets, *([dataset] if bundle else [])):
+        if wanted_set not in sources["dataset_sources"]:
+            sources["dataset_sources"].append(wanted_set)
     document = meta.build(
         kernel,
         path.name,
