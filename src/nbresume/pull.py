@@ -61,7 +61,7 @@ from nbresume.checkpoint.lease_holder import (
     this_process,
 )
 from nbresume.checkpoint.reading import has_manifest
-from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, open_store
+from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, fsync_folder, open_store
 from nbresume.checkpoint.store import CheckpointStore, VerifyResult
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CorruptCheckpointError, NbresumeError, StorageError, UsageError
@@ -273,15 +273,6 @@ def parse_rate(text: str) -> float:
     return float(match.group(1)) * float(1 << (10 * power))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        with contextlib.suppress(OSError):  # some file systems refuse fsync on a folder
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _hash_local(path: Path, digests: Digests) -> int:
     """Hash a local file into ``digests``; return its size."""
     size = 0
@@ -382,7 +373,7 @@ class Puller:
             shutil.rmtree(staging, ignore_errors=True)
             os.rename(final, staging)
             (staging / MANIFEST_NAME).unlink()
-            _fsync_dir(self.dst)
+            fsync_folder(self.dst)
         staging.mkdir(parents=True, exist_ok=True)
         notes = []
         resumed = False
@@ -492,9 +483,9 @@ class Puller:
             out.flush()
             os.fsync(out.fileno())
         os.replace(part, staging / MANIFEST_NAME)
-        _fsync_dir(staging)
+        fsync_folder(staging)
         os.rename(staging, final)
-        _fsync_dir(self.dst)
+        fsync_folder(self.dst)
 
 
 def pull(

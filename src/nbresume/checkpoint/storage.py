@@ -22,7 +22,7 @@ from nbresume.checkpoint.backends.base import (
     replaced_step,
 )
 from nbresume.checkpoint.backends.fsspec_store import FsspecStore
-from nbresume.checkpoint.backends.local import LocalStore
+from nbresume.checkpoint.backends.local import LocalStore, fsync_folder
 from nbresume.checkpoint.backends.registry import check_location, open_store, register_backend
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "LocalStore",
     "Store",
     "check_location",
+    "fsync_folder",
     "handle_size",
     "open_store",
     "read_into",

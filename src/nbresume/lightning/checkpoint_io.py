@@ -32,7 +32,7 @@ from nbresume.checkpoint import lightning_format
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.lightning_format import DOCUMENT, FORMAT, FORMAT_VERSION, TENSORS
 from nbresume.checkpoint.state import flatten
-from nbresume.checkpoint.storage import LocalStore
+from nbresume.checkpoint.storage import LocalStore, fsync_folder
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError, NoCheckpointError, UsageError
 from nbresume.frameworks.layout import committed
@@ -147,7 +147,7 @@ class CheckpointIO(_LightningCheckpointIO):
                     on_committed=lambda i: on_committed(replace(i, location=moved.child(i.name)))
                 )
                 os.rename(location, final)
-                _fsync_dir(final.parent)
+                fsync_folder(final.parent)
                 return replace(info, location=moved.child(info.name))
 
             watch = self.watch
@@ -283,7 +283,7 @@ class CheckpointIO(_LightningCheckpointIO):
                     store.backend.delete(name)
             gone = final.parent / f"{GONE_MARK}{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, gone)
-            _fsync_dir(final.parent)
+            fsync_folder(final.parent)
         except (OSError, CheckpointError) as exc:
             # The newer checkpoint is saved and verified; failing now would end the run.
             warnings.warn(
@@ -429,16 +429,3 @@ def _remove_url(location: str) -> None:
     fs, root = fsspec.core.url_to_fs(location)
     if fs.exists(root):
         fs.rm(root, recursive=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

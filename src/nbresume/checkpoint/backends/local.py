@@ -63,7 +63,7 @@ class Files:
 
     def sync_folder(self, path: Path) -> None:
         """Make a folder's entries (files created, renamed or removed in it) durable."""
-        _fsync_dir(path)
+        fsync_folder(path)
 
     def rename(self, source: Path, target: Path) -> None:
         os.rename(source, target)
@@ -415,14 +415,16 @@ def mount_type(path: Path) -> str:
     return kind
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_folder(path: Path) -> None:
+    """Make ``path``'s entries (files created, renamed or removed in it) durable: the one
+    folder fsync of nbresume. A file system that refuses fsync on a folder (certain FUSE
+    mounts: EINVAL, ENOTSUP, EBADF, EACCES) is accepted, since the files themselves were
+    fsynced and verification reads everything back; any other error (EIO) is raised, since
+    the entries may not survive a crash and must never be reported as saved."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
     except OSError as exc:
-        # Some file systems (certain FUSE mounts) refuse fsync on a folder; the data files
-        # themselves were fsynced, and verification still reads everything back. Any other
-        # error (EIO) means the rename may not survive a crash: never report that as saved.
         if exc.errno not in _FSYNC_REFUSED:
             raise
     finally:
