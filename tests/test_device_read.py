@@ -41,7 +41,7 @@ def saved(tmp_path: Path) -> tuple[CheckpointStore, dict[str, Any]]:
 
 def test_a_file_read_onto_a_device_gives_the_same_tensors(tmp_path: Path) -> None:
     store, tensors = saved(tmp_path)
-    loaded = store._load(devices={"model.safetensors": CPU}).tensors["model"]
+    loaded = store.load(devices={"model.safetensors": CPU}).tensors["model"]
     assert loaded.keys() == tensors.keys()
     for name, value in tensors.items():
         assert loaded[name].dtype == value.dtype, name
@@ -57,7 +57,7 @@ def test_a_changed_byte_is_refused_before_anything_is_returned(tmp_path: Path) -
     data[-5000] ^= 1  # inside the tensors, pieces after the first
     path.write_bytes(bytes(data))
     with pytest.raises(NoCheckpointError, match="mismatch"):
-        store._load(devices={"model.safetensors": CPU})
+        store.load(devices={"model.safetensors": CPU})
 
 
 class Net(nn.Module):

@@ -239,6 +239,7 @@ class CheckpointStore:
         *,
         framework: str = "torch",
         check: Callable[[LoadedCheckpoint], None] | None = None,
+        devices: Mapping[str, Any] | None = None,
     ) -> LoadedCheckpoint:
         """The newest checkpoint that verifies (or exactly the one of ``step``).
 
@@ -251,19 +252,10 @@ class CheckpointStore:
         :class:`CorruptCheckpointError` it raises passes the checkpoint over like a failed
         verification; any other :class:`CheckpointError` (the checkpoint does not fit) passes
         it over too, and is raised, the newest one, when no older checkpoint is usable.
-        """
-        return self._load(step, framework=framework, check=check)
 
-    def _load(
-        self,
-        step: int | None = None,
-        *,
-        framework: str = "torch",
-        check: Callable[[LoadedCheckpoint], None] | None = None,
-        devices: Mapping[str, Any] | None = None,
-    ) -> LoadedCheckpoint:
-        """:meth:`load`, the tensor files named in ``devices`` (file name -> torch device)
-        read straight onto those devices (a restore into objects on a GPU)."""
+        The tensor files named in ``devices`` (file name -> torch device) are read straight
+        onto those devices (a restore into objects on a GPU).
+        """
 
         def load_one(found_step: int, name: str) -> LoadedCheckpoint | None:
             try:

@@ -175,7 +175,7 @@ class OneProcess(Strategy):
         misfits: list[DoesNotFit] = []
         check = self._checker(misfits, apply=True)
         placed = restoring.devices(self.ck._objects)
-        self._newest(lambda: self.ck.store._load(check=check, devices=placed), misfits)
+        self._newest(lambda: self.ck.store.load(check=check, devices=placed), misfits)
         self.ck._restored = True
         return self.ck.step
 
