@@ -11,6 +11,9 @@ with it:
   says what goes to stderr).
 - ``<!-- output: checked, setup=NAME -->``: first prepare the sandbox with ``SETUPS[NAME]``
   (hidden from the reader: a folder of checkpoints with metrics, a damaged copy...).
+- ``<!-- output: checked by TEST_FILE (LABEL) -->``: produced by the test TEST_FILE, which
+  compares what its command labelled LABEL printed with the block, normalised as here (a
+  journey across services simulated on loopback, which a sandbox folder cannot hold).
 - ``<!-- output: not checked: REASON -->``: shown, not produced, and the reason says why (an
   account on a service, a remote machine, this machine's own hardware).
 
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```console\s*$")
 MARKER = re.compile(r"^<!-- output: (?P<how>.+?) -->$")
+CHECKED_BY = re.compile(r"checked by (?P<file>tests/\S+\.py) \((?P<label>[\w-]+)\)")
 
 
 @dataclass
@@ -60,7 +64,14 @@ class Block:
 
     @property
     def checked(self) -> bool:
-        return self.how.startswith("checked")
+        """Checked here, in the sandbox."""
+        return self.how.startswith("checked") and self.checked_by is None
+
+    @property
+    def checked_by(self) -> tuple[str, str] | None:
+        """The test file that checks the block elsewhere, and the block's label there."""
+        match = CHECKED_BY.fullmatch(self.how)
+        return (match["file"], match["label"]) if match else None
 
     @property
     def options(self) -> dict[str, str]:
@@ -241,9 +252,14 @@ def _pages_with_checked_blocks() -> list[Path]:
 def test_every_console_block_says_whether_it_is_checked() -> None:
     for block in blocks():
         assert block.how, f"{block.name}: no <!-- output: ... --> line before the block"
-        assert block.checked or re.fullmatch(r"not checked: .{10,}", block.how), (
-            f"{block.name}: {block.how!r}: say `checked` or `not checked: WHY`"
-        )
+        assert (
+            block.checked or block.checked_by or re.fullmatch(r"not checked: .{10,}", block.how)
+        ), f"{block.name}: {block.how!r}: say `checked` or `not checked: WHY`"
+        if block.checked_by:
+            test_file, label = block.checked_by
+            assert f'"{label}"' in (ROOT / test_file).read_text(encoding="utf-8"), (
+                f"{block.name}: {test_file} does not check a block labelled {label!r}"
+            )
         setup = block.options.get("setup")
         assert setup is None or setup in SETUPS, f"{block.name}: unknown setup {setup!r}"
         assert not block.checked or block.commands(), f"{block.name}: no `$ ` command"
