@@ -26,7 +26,7 @@ import pytest
 import safetensors.numpy
 from tests.test_loadable import reseal
 
-from nbresume.hf.folders import FILES_NAME, commit_folder, open_store
+from nbresume.hf.folders import FILES_NAME, commit_folder, hash_file, open_store
 from nbresume.pull import SAFE_LINE
 
 CHILD = Path(__file__).with_name("hostile_child.py")
@@ -78,13 +78,39 @@ def safetensors_bytes(data: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data
 
 
+def trainer_pickles(folder: Path, step: int) -> None:
+    """The files the Trainer writes with ``torch.save``, as it writes them: a real optimizer's
+    and scheduler's state (a tiny model's), its RNG states, and its arguments (a full pickle
+    that its resume never loads)."""
+    import argparse
+    import random
+
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=step / 1000)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+    torch.save(scheduler.state_dict(), folder / "scheduler.pt")
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.get_rng_state(),
+    }
+    torch.save(rng, folder / "rng_state.pth")
+    torch.save(argparse.Namespace(step=step), folder / "training_args.bin")
+
+
 def trainer_checkpoint(output_dir: Path, step: int) -> Path:
     """What the Trainer writes into ``checkpoint-<step>``, committed as the callback does."""
     folder = output_dir / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(safetensors_bytes(bytes([step]) * 64))
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    (folder / "optimizer.pt").write_bytes(pickle.dumps({"state": {}, "param_groups": []}))
+    trainer_pickles(folder, step)
     commit_folder(open_store(output_dir), step).commit()
     return folder
 
@@ -108,8 +134,8 @@ def unlisted_scaler(folder: Path) -> str:
 
 
 def unlisted_fifo(folder: Path) -> str:
-    os.mkfifo(folder / "scheduler.pt")
-    return "scheduler.pt"
+    os.mkfifo(folder / "scaler.pt")
+    return "scaler.pt"
 
 
 def nul_in_a_listed_name(folder: Path) -> str:
@@ -120,12 +146,80 @@ def nul_in_a_listed_name(folder: Path) -> str:
     return FILES_NAME
 
 
+def swap(folder: Path, name: str, value: Any, *, plain: bool = False) -> str:
+    """Replace the Trainer's file ``name`` with ``value`` saved by ``torch.save`` (``plain``:
+    by ``pickle``) and record its hash anew: only what the file holds betrays it."""
+    import torch
+
+    if plain:
+        (folder / name).write_bytes(pickle.dumps(value))
+    else:
+        torch.save(value, folder / name)
+    document = json.loads((folder / FILES_NAME).read_text())
+    document["files"][name] = hash_file(folder / name, "xxh3-128", md5=False).to_json()
+    (folder / FILES_NAME).write_text(json.dumps(document))
+    reseal(folder)
+    return name
+
+
+class Runs:
+    """An object whose unpickling runs code: it makes the folder its ``marker`` names."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.marker),))
+
+
+def optimizer_that_runs_code(folder: Path) -> str:
+    state = {"state": {}, "param_groups": [], "x": Runs(folder.parent / "ran")}
+    return swap(folder, "optimizer.pt", state)
+
+
+def optimizer_of_another_shape(folder: Path) -> str:
+    return swap(folder, "optimizer.pt", {"step": 4})
+
+
+def scheduler_as_a_plain_pickle(folder: Path) -> str:
+    return swap(folder, "scheduler.pt", {"last_epoch": 4}, plain=True)
+
+
+def rng(folder: Path, change: Callable[[dict[str, Any]], None]) -> str:
+    import torch
+
+    with torch.serialization.safe_globals(
+        [np.core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    ):
+        states = torch.load(folder / "rng_state.pth", weights_only=True)
+    change(states)
+    return swap(folder, "rng_state.pth", states)
+
+
+def numpy_position(states: dict[str, Any]) -> None:
+    states["numpy"] = (*states["numpy"][:2], 700, *states["numpy"][3:])
+
+
+def cpu_state_size(states: dict[str, Any]) -> None:
+    states["cpu"] = states["cpu"][:-8].clone()
+
+
+def python_missing(states: dict[str, Any]) -> None:
+    del states["python"]
+
+
 TRAINER_DAMAGES: dict[str, Callable[[Path], str]] = {
     "a FIFO": fifo,
     "a link to /dev/zero": dev_zero,
     "an unlisted scaler.pt": unlisted_scaler,
     "an unlisted FIFO": unlisted_fifo,
     "a NUL byte in a listed name": nul_in_a_listed_name,
+    "an optimizer.pt whose unpickling runs code": optimizer_that_runs_code,
+    "an optimizer.pt of another shape": optimizer_of_another_shape,
+    "a scheduler.pt pickled without torch": scheduler_as_a_plain_pickle,
+    "an rng_state.pth whose NumPy position is out of range": lambda f: rng(f, numpy_position),
+    "an rng_state.pth whose torch CPU state is cut": lambda f: rng(f, cpu_state_size),
+    "an rng_state.pth without Python's state": lambda f: rng(f, python_missing),
 }
 
 
@@ -145,6 +239,7 @@ def test_a_hostile_trainer_checkpoint_is_failed_and_passed_over_in_bounded_time(
     assert "OK    checkpoint-2" in verify["out"]
     assert found["result"] == str(out / "checkpoint-2")
     assert any("checkpoint-4" in w and victim.split(".")[0] in w for w in found["warnings"])
+    assert not (out / "ran").exists()  # nothing in a pickle ran
 
 
 # -- a Checkpointer's run -------------------------------------------------------------------------

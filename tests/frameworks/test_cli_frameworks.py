@@ -7,15 +7,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import struct
 import subprocess
 import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.cli import main
@@ -44,10 +45,19 @@ def trainer_checkpoint(output_dir: Path, step: int, *, commit: bool = True) -> P
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(safetensors_bytes(bytes([step]) * 64))
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    (folder / "optimizer.pt").write_bytes(pickle.dumps({"step": step}))
+    torch.save(tiny_optimizer_state(step), folder / "optimizer.pt")
     if commit:
         commit_folder(open_store(output_dir), step).commit()
     return folder
+
+
+def tiny_optimizer_state(step: int) -> dict[str, Any]:
+    """A real optimizer's state (a tiny model's), as the Trainer saves it."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=step / 1000, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    return optimizer.state_dict()
 
 
 def flip_a_bit(path: Path) -> None:
@@ -222,9 +232,12 @@ def test_reading_a_framework_folder_imports_neither_framework(tmp_path: Path) ->
     code = (
         "import sys\n"
         "from nbresume.cli import main\n"
-        f"main(['verify', {str(out)!r}]); main(['ls', {str(tmp_path / 'ckpts')!r}])\n"
-        f"main(['status', {str(out)!r}]); main(['status', {str(tmp_path / 'ckpts')!r}])\n"
+        f"main(['ls', {str(out)!r}]); main(['ls', {str(tmp_path / 'ckpts')!r}])\n"
+        f"main(['status', {str(tmp_path / 'ckpts')!r}])\n"
         "assert not {'lightning', 'transformers', 'torch'} & set(sys.modules), 'imported'\n"
+        # Verifying loads the Trainer's optimizer.pt as its resume would: with torch.
+        f"main(['verify', {str(out)!r}]); main(['status', {str(out)!r}])\n"
+        "assert not {'lightning', 'transformers'} & set(sys.modules), 'imported'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

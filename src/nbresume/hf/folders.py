@@ -12,11 +12,13 @@ nbresume's format names only ``*.safetensors`` and ``*.json`` files, so that nbr
 has a reason to unpickle anything. A framework's other files (``optimizer.pt``,
 ``rng_state.pth``, ``training_args.bin``) are listed with their sizes and hashes in
 :data:`FILES_NAME`, a JSON file that the manifest itself covers; :func:`verify` checks them
-too. nbresume opens them only to hash them, with the checkpoint's own hash (XXH3-128 by
+too. nbresume opens them to hash them, with the checkpoint's own hash (XXH3-128 by
 default, as ``NBRESUME_HASH`` picks; :mod:`nbresume.checkpoint.hashing`), recorded under the
 hash's name as the manifest records it (``{"size": ..., "xxh3-128": ...}``); earlier versions
 recorded SHA-256 (``"sha256"``), which still verifies. On Google Drive the MD5 is recorded too:
-Drive reports it for each uploaded file.
+Drive reports it for each uploaded file. Those the Trainer's resume loads
+(``optimizer.pt``, ``rng_state.pth``...) are then loaded as it loads them, never executing
+a pickle (:mod:`nbresume.hf.trainer_files`): a folder verifies only if the resume can load it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from nbresume.checkpoint.reading import parse_json
 from nbresume.checkpoint.storage import READ_CHUNK
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
+from nbresume.hf import trainer_files
 
 if TYPE_CHECKING:
     from nbresume.checkpoint.durability import Durability
@@ -418,7 +421,15 @@ def verify(store: CheckpointStore, info: CheckpointInfo) -> str:
             return f"{name}: {got.size} bytes, the checkpoint recorded {entry['size']}"
         if got.digest != entry[algorithm]:
             return f"{name}: its bytes differ from the ones recorded at the save ({algorithm})"
-    return unlisted(folder, {MANIFEST_NAME, *info.manifest.files, *listed})
+    extra = unlisted(folder, {MANIFEST_NAME, *info.manifest.files, *listed})
+    if extra:
+        return extra
+    # Verified means loadable: what the Trainer's resume loads is loaded as it loads it.
+    for name in listed:
+        cannot = trainer_files.problem(folder / name)
+        if cannot:
+            return cannot
+    return ""
 
 
 def unlisted(folder: Path, names: set[str]) -> str:
