@@ -251,7 +251,8 @@ def test_status_notes_a_folder_that_stopped_getting_checkpoints(
 def test_status_warns_when_a_running_job_has_not_saved_for_twice_the_usual_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], forge_manifest: Callable[..., Path]
 ) -> None:
-    from nbresume.runner import RunState, boot_id, process_start, state_path
+    from nbresume.checkpoint.procfs import boot_id
+    from nbresume.runner import RunState, process_start, state_path
 
     # Every 10 minutes until 25 minutes ago, while the job (a `sleep` here, recorded as
     # `nbresume run` records a job) still runs: more than twice 10 minutes.

@@ -44,6 +44,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, BinaryIO
 
+from nbresume.checkpoint import procfs
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import NbresumeError, UsageError
 
@@ -163,34 +164,16 @@ def default_log(ckpt_dir: str | None) -> Path:
 # -- processes ---------------------------------------------------------------------------------
 
 
-def boot_id() -> str:
-    """An id of this boot of the machine ("" where unknown): a reboot ends every process."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat from the third on (state, ppid, ...), or ``None``."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()
-
-
 def process_start(pid: int) -> int | None:
     """The start time of ``pid`` in clock ticks since boot, where /proc tells."""
-    stat = _proc_stat(pid)
-    return int(stat[19]) if stat is not None and len(stat) > 19 else None
+    return procfs.start_ticks(pid)
 
 
 def process_alive(pid: int | None, start: int | None = None) -> bool:
     """Whether ``pid`` runs (not a zombie) and is the process that started at ``start``."""
     if not pid:
         return False
-    if not Path("/proc/self/stat").exists():  # no /proc (macOS): ask the kernel directly
+    if not procfs.has_proc():  # no /proc (macOS): ask the kernel directly
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -198,7 +181,7 @@ def process_alive(pid: int | None, start: int | None = None) -> bool:
         except PermissionError:
             return True
         return True
-    stat = _proc_stat(pid)
+    stat = procfs.stat_fields(pid)
     if stat is None or stat[0] in ("Z", "X"):
         return False
     return start is None or int(stat[19]) == start
@@ -634,7 +617,7 @@ def prepare(
         dir=ckpt_dir,
         retries=retries,
         backoff=backoff,
-        boot_id=boot_id(),
+        boot_id=procfs.boot_id(),
     )
     return state, path
 
@@ -794,7 +777,7 @@ def _judge_process(state: RunState, now: float) -> tuple[str, bool, float | None
             True,
             state.attempt_started,
         )
-    if state.boot_id and boot_id() and state.boot_id != boot_id():
+    if state.boot_id and procfs.boot_id() and state.boot_id != procfs.boot_id():
         return (
             "not running: the machine restarted since the run began, which ended it; run the "
             "same command again to resume",

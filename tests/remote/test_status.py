@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from nbresume.checkpoint.format import step_dirname
+from nbresume.checkpoint.procfs import boot_id
 from nbresume.cli import main
 from nbresume.pull import is_kaggle_ref
-from nbresume.runner import RunState, boot_id, process_alive, process_start, state_path
+from nbresume.runner import RunState, process_alive, process_start, state_path
 
 from .conftest import (
     HANG_S,

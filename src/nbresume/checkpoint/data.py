@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from nbresume.checkpoint import procfs
 from nbresume.checkpoint.health import DataWait
 from nbresume.errors import UsageError
 
@@ -167,19 +168,15 @@ def _alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
     import os
 
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
+    if procfs.has_proc():
+        return procfs.state(pid) not in (None, "Z", "X")
+    try:  # no /proc: ask the kernel
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+    except PermissionError:
         return True
+    return True
 
 
 #: The samplers of torch whose draws all come from their ``generator`` attribute (``None``:

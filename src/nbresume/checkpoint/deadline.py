@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
+
+from nbresume.checkpoint import procfs
 
 HOUR = 3600.0
 
@@ -29,14 +30,13 @@ def session_started_at() -> float:
     if forced is not None:
         return forced
     try:
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        stat = Path("/proc/1/stat").read_text()
-        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-        if 0 <= age < 30 * 24 * HOUR:
-            return time.time() - age
-    except (OSError, ValueError, IndexError):
-        pass
+        uptime, started = procfs.uptime(), procfs.start_ticks(1)
+        if uptime is not None and started is not None:
+            age = uptime - started / os.sysconf("SC_CLK_TCK")
+            if 0 <= age < 30 * 24 * HOUR:
+                return time.time() - age
+    except (OSError, ValueError):
+        pass  # no clock-tick rate
     return _PROCESS_STARTED
 
 

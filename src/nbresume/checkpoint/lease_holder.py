@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeGuard
 
+from nbresume.checkpoint import procfs
 from nbresume.checkpoint.units import format_duration
 
 LEASE_FORMAT = "nbresume-lease"
@@ -149,37 +150,15 @@ def _ago(seconds: float) -> str:
 # -- this process, and looking at another one ----------------------------------------------
 
 
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="ascii", errors="replace") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
-
-
 def _machine() -> str:
     """This machine beyond its host name: containers and VMs can share a host name, and two
     of them must not judge each other's processes by pid."""
-    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    boot = procfs.boot_id()
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = ""
     return f"{boot}/{namespace}" if boot or namespace else ""
-
-
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a process from ``/proc/<pid>/stat``; ``None`` where unreadable."""
-    text = _read_text(f"/proc/{pid}/stat")
-    # The command name, in parentheses, may hold spaces and parentheses itself.
-    fields = text.rpartition(")")[2].split()
-    if len(fields) < 20:
-        return None
-    return fields[0], fields[19]
-
-
-def _has_proc() -> bool:
-    return os.path.exists("/proc/self/stat")
 
 
 def _process_runs(pid: int, started: str) -> bool:
@@ -194,15 +173,14 @@ def _process_runs(pid: int, started: str) -> bool:
         pass  # it exists, under another user
     except OSError:
         return True  # cannot tell: never take over a lease that may be live
-    stat = _proc_stat(pid)
+    stat = procfs.stat_fields(pid)
     if stat is None:
         # Without /proc (macOS) a reused pid cannot be told apart; with it, the process
         # ended between the two looks.
-        return not _has_proc()
-    state, start = stat
-    if state in ("Z", "X"):
+        return not procfs.has_proc()
+    if stat[0] in ("Z", "X"):
         return False  # killed, not yet reaped by its parent
-    return not started or start == started
+    return not started or stat[19] == started
 
 
 def _program() -> str:
@@ -211,13 +189,13 @@ def _program() -> str:
 
 
 def this_process(token: str, since: float, expiry_s: float, purpose: str) -> Holder:
-    stat = _proc_stat(os.getpid())
+    stat = procfs.stat_fields(os.getpid())
     return Holder(
         token=token,
         host=socket.gethostname(),
         pid=os.getpid(),
         machine=_machine(),
-        started=stat[1] if stat else "",
+        started=stat[19] if stat else "",
         since=since,
         renewed=time.time(),
         expiry_s=expiry_s,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nbresume import knobs
+from nbresume.checkpoint import procfs
 from nbresume.checkpoint.format import TEMP_PREFIX, parse_step_dirname
 from nbresume.errors import NbresumeError
 
@@ -151,11 +152,7 @@ def _signal(process: subprocess.Popen[bytes], signum: int) -> None:
 
 def _stopped(pid: int) -> bool:
     """Whether the process is stopped (Linux: its state in /proc; elsewhere assumed soon)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t", "Z", "X")
+    return procfs.state(pid) in (None, "T", "t", "Z", "X")
 
 
 def _freeze(process: subprocess.Popen[bytes]) -> None:

@@ -1,0 +1,57 @@
+"""What Linux's ``/proc`` says about processes and this boot: the one reader of it.
+
+Every function answers ``None`` or ``""`` where ``/proc`` is missing (macOS) or the entry
+cannot be read (the process is gone); the callers decide what that means for them.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def read_text(path: str) -> str:
+    """A small ``/proc`` file's text, stripped; ``""`` where it cannot be read."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def has_proc() -> bool:
+    """Whether this system has a ``/proc`` that describes processes (Linux)."""
+    return os.path.exists("/proc/self/stat")
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name: ``[state, ppid, ...]``,
+    the start time (clock ticks since boot) at index 19; ``None`` where unreadable. The
+    command name, in parentheses, may hold spaces and parentheses itself."""
+    fields = read_text(f"/proc/{pid}/stat").rpartition(")")[2].split()
+    return fields if len(fields) > 19 else None
+
+
+def state(pid: int | str) -> str | None:
+    """The process's state letter (``R``, ``S``, ``T``, ``Z``, ...), or ``None``."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def start_ticks(pid: int | str) -> int | None:
+    """When the process started, in clock ticks since boot, or ``None``."""
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def boot_id() -> str:
+    """An id of this boot of the machine (``""`` where unknown): a reboot ends every process."""
+    return read_text("/proc/sys/kernel/random/boot_id")
+
+
+def uptime() -> float | None:
+    """Seconds since this machine booted, or ``None``."""
+    text = read_text("/proc/uptime")
+    try:
+        return float(text.split()[0])
+    except (IndexError, ValueError):
+        return None
