@@ -8,6 +8,7 @@ are in tests/distributed/test_world_size_change.py.
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import nbresume
+from nbresume.checkpoint.restoring import derived_rng
 from nbresume.errors import UsageError
 
 
@@ -105,3 +107,18 @@ def test_a_split_of_one_s_own_is_followed_only_in_the_same_number_of_processes(
         numbered_run(folder, "own", replicas=1)
     assert refused.value.fix.startswith("finish this epoch with 2 process(es)")
     assert len(numbered_run(folder, "own", replicas=2)) == 8  # the rest of rank 0's share
+
+
+def test_a_new_ranks_torch_stream_depends_only_on_rank_0s_torch_state() -> None:
+    """A user who seeds torch but not Python's ``random`` (left to the system's entropy) gets
+    the same derived torch stream on a new rank every time the same legs run."""
+    torch_state = torch.Generator().manual_seed(1234).get_state()
+    unseeded = [random.Random(entropy).getstate() for entropy in (1, 2)]
+    derived = [
+        derived_rng({"python": python, "torch": torch_state}, rank=1, step=16)
+        for python in unseeded
+    ]
+    assert torch.equal(derived[0]["torch"], derived[1]["torch"])
+    assert derived[0]["python"] != derived[1]["python"]
+    other_rank = derived_rng({"python": unseeded[0], "torch": torch_state}, rank=2, step=16)
+    assert not torch.equal(other_rank["torch"], derived[0]["torch"])

@@ -334,32 +334,46 @@ def rank_rng(saved: SavedState, *, rank: int) -> Any:
 def derived_rng(base: Mapping[str, Any], *, rank: int, step: int) -> dict[str, Any]:
     """Random streams for ``rank`` of a job larger than the one that saved a checkpoint, in
     the form :func:`~nbresume.checkpoint.state.capture_rng` gives: every generator ``base``
-    (rank 0's saved states) holds, seeded from the checkpoint's step, rank 0's saved states
-    and the rank. The same checkpoint gives the same rank the same streams every time; other
-    ranks and other checkpoints get others."""
+    (rank 0's saved states) holds, each seeded from the checkpoint's step, the rank, and rank
+    0's saved state of the same generator only, so that a stream the user seeded is derived
+    the same way every time even where another one was not seeded (Python's ``random``, left
+    to the system's entropy, then changes nothing but its own derived stream). The same
+    checkpoint gives the same rank the same streams every time; other ranks and other
+    checkpoints get others."""
     import hashlib
     import json
     import random
 
-    digest = hashlib.blake2b(f"nbresume rank streams:{step}:{rank}:".encode(), digest_size=8)
-    digest.update(json.dumps(base.get("python"), default=str).encode())
-    torch_state = base.get("torch")
-    if torch_state is not None:
-        digest.update(torch_state.contiguous().numpy().tobytes())
-    seed = int.from_bytes(digest.digest(), "little") >> 1
-    state: dict[str, Any] = {"python": random.Random(seed).getstate()}  # noqa: S311
+    def seed(kind: str, saved: bytes) -> int:
+        digest = hashlib.blake2b(
+            f"nbresume rank streams:{kind}:{step}:{rank}:".encode(), digest_size=8
+        )
+        digest.update(saved)
+        return int.from_bytes(digest.digest(), "little") >> 1
+
+    def saved_json(kind: str) -> bytes:
+        return json.dumps(base.get(kind), default=str).encode()
+
+    python = random.Random(seed("python", saved_json("python")))  # noqa: S311
+    state: dict[str, Any] = {"python": python.getstate()}
     if "numpy" in base:
         import numpy as np
 
-        state["numpy"] = np.random.RandomState(seed % 2**32).get_state()
+        state["numpy"] = np.random.RandomState(
+            seed("numpy", saved_json("numpy")) % 2**32
+        ).get_state()
+    torch_state = base.get("torch")
     if torch_state is not None:
         import torch
 
-        state["torch"] = torch.Generator().manual_seed(seed).get_state()
+        torch_seed = seed("torch", torch_state.contiguous().numpy().tobytes())
+        state["torch"] = torch.Generator().manual_seed(torch_seed).get_state()
         if base.get("cuda") and torch.cuda.is_available():
             count = min(len(base["cuda"]), torch.cuda.device_count())
             state["cuda"] = [
-                torch.Generator(device=f"cuda:{index}").manual_seed(seed + index).get_state()
+                torch.Generator(device=f"cuda:{index}")
+                .manual_seed(seed("cuda", base["cuda"][index].contiguous().numpy().tobytes()))
+                .get_state()
                 for index in range(count)
             ]
     return state
