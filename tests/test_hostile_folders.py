@@ -504,6 +504,46 @@ def test_a_checkpoint_cannot_make_a_reader_allocate_gigabytes(
     assert any(victim in w for w in restored["warnings"]), restored["warnings"]
 
 
+def test_a_tensor_file_of_gigabytes_that_does_not_fit_is_passed_over_before_it_is_read(
+    run: Path,
+) -> None:
+    # A valid, hash-consistent checkpoint whose model.safetensors declares a weight of 3 GiB
+    # (a sparse file: no disk), state.json agreeing: verify passes it, and a restore refuses
+    # it from its header, before a byte of the weight is read or memory is taken for it.
+    folder = run / "000000000020"
+    path = folder / "model.safetensors"
+    size = path.stat().st_size
+    tensors = safetensors.numpy.load_file(path)
+    small = sorted(k for k in tensors if k != "0.weight")
+    columns = (3 << 30) // (16 * 4)
+    layout: dict[str, Any] = {}
+    offset = 0
+    for key in small:
+        layout[key] = {"dtype": "F32", "shape": list(tensors[key].shape)}
+        layout[key]["data_offsets"] = [offset, offset + tensors[key].nbytes]
+        offset += tensors[key].nbytes
+    layout["0.weight"] = {"dtype": "F32", "shape": [16, columns]}
+    layout["0.weight"]["data_offsets"] = [offset, offset + 16 * columns * 4]
+    raw = json.dumps(layout).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(raw).to_bytes(8, "little") + raw)
+        for key in small:
+            handle.write(tensors[key].tobytes())
+        handle.truncate(8 + len(raw) + layout["0.weight"]["data_offsets"][1])
+    assert path.stat().st_size > 3 << 30 > size
+    state = json.loads((folder / "state.json").read_text())
+    state["objects"]["model"]["0.weight"]["shape"] = [16, columns]
+    (folder / "state.json").write_text(json.dumps(state))
+    reseal(folder)
+    verify, restored = bounded(("verify", run), ("restore", run), peak_below=1 << 30)
+    assert verify["result"] == 0, verify["out"]
+    assert restored["result"] == 10
+    skipped = [w for w in restored["warnings"] if "skipped" in w]
+    assert len(skipped) == 1, restored["warnings"]
+    assert "model.0.weight is [16, 50331648] float32 in the checkpoint" in skipped[0], skipped
+
+
 def test_a_save_never_writes_a_json_file_larger_than_a_reader_takes(tmp_path: Path) -> None:
     from nbresume import CheckpointStore
     from nbresume.checkpoint.format import MAX_JSON_BYTES

@@ -522,22 +522,77 @@ def check_json_size(where: str, file_name: str, entry: FileEntry) -> None:
         )
 
 
+class Unfit(Exception):
+    """A checkpoint that does not fit, found from its tensor files' headers before their
+    tensors were read: passed over like one that a load's check finds not to fit."""
+
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def load_folder(
     store: Store,
     step: int,
     name: str,
     framework: str,
     devices: Mapping[str, Any] | None = None,
+    *,
+    fits: Callable[[LoadedCheckpoint], None] | None = None,
 ) -> LoadedCheckpoint:
     """One checkpoint read, verified and decoded (raises CorruptCheckpointError); the tensor
-    files named in ``devices`` are read onto those devices (:func:`read_verified`)."""
+    files named in ``devices`` are read onto those devices (:func:`read_verified`).
+
+    ``fits`` is first called with the checkpoint as its headers describe it (its JSON files
+    read and verified, each tensor a :class:`~nbresume.checkpoint.tensorfile.TensorSpec`):
+    a CheckpointError it raises that is no CorruptCheckpointError (the checkpoint does not
+    fit the objects it is for) is raised as :class:`Unfit` before any memory is taken for
+    the tensors, whatever the size the headers declare."""
     manifest = read_manifest(store, name, step)
     loaded = LoadedCheckpoint(step, store.child(name), manifest)
     # Nothing is parsed before every file's hash matched (a safetensors header excepted:
     # it is checked against the file's size before the tensor bytes are read).
-    buffers = read_verified(store, name, manifest.files, devices)
+    files = manifest.files
+    if fits is not None:  # the JSON files are read and verified first, then the headers
+        tensors = {n: e for n, e in files.items() if n.endswith(".safetensors")}
+        heads = LoadedCheckpoint(step, store.child(name), manifest)
+        buffers = read_verified(store, name, {n: e for n, e in files.items() if n not in tensors})
+        buffers.update({n: read_specs(store, name, n, e) for n, e in tensors.items()})
+        decode_files(store, name, buffers, heads, framework)
+        try:
+            fits(heads)
+        except CorruptCheckpointError:
+            raise
+        except CheckpointError as exc:
+            raise Unfit(exc) from None
+        buffers.update(read_verified(store, name, tensors, devices))
+    else:
+        buffers = read_verified(store, name, files, devices)
     decode_files(store, name, buffers, loaded, framework)
     return loaded
+
+
+def read_specs(store: Store, name: str, file_name: str, entry: FileEntry) -> SpecsOnly:
+    """The header of the tensor file ``file_name`` (checked against the size the manifest
+    records, as a load checks it), read alone: only its first bytes are read."""
+    where = store.child(name, file_name)
+    try:
+        with store.open_read(name, file_name) as handle:
+            prefix = memoryview(bytearray(8))
+            read_into(handle, prefix)
+            head = bytearray(8 + tensorfile.header_length(prefix, entry.size, where=where))
+            head[:8] = prefix
+            read_into(handle, memoryview(head)[8:])
+    except FileNotFoundError:
+        raise CorruptCheckpointError("the file is missing", where=where) from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
+    _, specs, _ = tensorfile.parse_header(head, where=where, total=entry.size)
+    return SpecsOnly(specs)
+
+
+class SpecsOnly(dict[str, tensorfile.TensorSpec]):
+    """A tensor file as its header describes it: each tensor's dtype and shape, no bytes."""
 
 
 def decode_files(
@@ -553,7 +608,9 @@ def decode_files(
     for file_name, buffer in buffers.items():
         where = store.child(name, file_name)
         stem, kind = file_name.rsplit(".", 1)
-        if kind == "safetensors" and tensorfile.is_device_bytes(buffer):
+        if isinstance(buffer, SpecsOnly):
+            loaded.tensors[stem] = buffer
+        elif kind == "safetensors" and tensorfile.is_device_bytes(buffer):
             loaded.tensors[stem] = tensorfile.decode_device(buffer, where=where)
         elif kind == "safetensors":
             view = buffer if isinstance(buffer, (bytearray, memoryview)) else memoryview(buffer)
@@ -590,6 +647,10 @@ def newest_that_loads(
             loaded = load_one(found_step, name)
         except CorruptCheckpointError as exc:
             skipped.append(VerifyResult(name, found_step, where, False, str(exc)))
+            continue
+        except Unfit as unfit:  # found from its headers, before its tensors were read
+            misfit = misfit or unfit.error
+            skipped.append(VerifyResult(name, found_step, where, False, str(unfit.error)))
             continue
         if loaded is None:
             continue

@@ -38,6 +38,7 @@ from nbresume.checkpoint.state import (
     restore_rng,
 )
 from nbresume.checkpoint.store import LoadedCheckpoint
+from nbresume.checkpoint.tensorfile import TensorSpec, signature, torch_name
 from nbresume.checkpoint.trainable import TrainableOnly
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeError, UsageError
 
@@ -100,6 +101,24 @@ def plan(
         raise
     checked.rank, checked.world_size = rank, world_size
     return checked
+
+
+def check_fits(heads: LoadedCheckpoint, objects: Mapping[str, Any]) -> None:
+    """Compare the saved modules and optimizers of ``heads`` (a checkpoint whose tensors are
+    their headers' :class:`~nbresume.checkpoint.tensorfile.TensorSpec`: dtype and shape, no
+    bytes) with the live ones, as :func:`plan` compares them, before a byte of the tensors
+    is read: raises :class:`DoesNotFit` (or CorruptCheckpointError) and changes nothing."""
+    where = f"{heads.location}/{STATE_FILE}.json"
+    saved = heads.state
+    if saved is None:
+        raise CorruptCheckpointError(
+            "state.json is missing or is not a Checkpointer's state", where=where
+        )
+    grown = param_groups.grow(saved.added_groups, saved.objects, objects)
+    try:
+        _checked_plan(heads, saved, None, objects, where=where, grown=grown)
+    finally:
+        param_groups.shrink(grown)
 
 
 def _check_loaders(saved: SavedState, objects: Mapping[str, Any], *, world_size: int) -> None:
@@ -461,15 +480,24 @@ def _snapshot(obj: Any) -> Any:
 
 
 def _describe(value: Any) -> str:
+    if isinstance(value, TensorSpec):  # a header's: its safetensors dtype, named as torch's
+        return f"{list(value.shape)} {torch_name(value.dtype)}"
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
     return type(value).__name__
 
 
 def _same_tensor_kind(saved: Any, live: Any) -> bool:
+    if isinstance(saved, TensorSpec):
+        return signature(saved) == signature(live)
     if not (hasattr(saved, "shape") and hasattr(saved, "dtype")):
         return False
     return tuple(saved.shape) == tuple(live.shape) and saved.dtype == live.dtype
+
+
+def _is_tensor(value: Any, torch: Any) -> bool:
+    """A saved tensor: a torch tensor, or a header's description of one."""
+    return isinstance(value, (torch.Tensor, TensorSpec))
 
 
 def _differences(name: str, obj: Any, tree: Any) -> list[str]:
@@ -549,7 +577,7 @@ def _optimizer_differences(name: str, obj: Any, saved: Any, torch: Any) -> list[
         live_id, parameter = parameters[saved_id]
         live_state = live["state"].get(live_id)
         for key, value in saved_state.items():
-            if not isinstance(value, torch.Tensor):
+            if not _is_tensor(value, torch):
                 if live_state is not None and isinstance(live_state.get(key), torch.Tensor):
                     out.append(
                         f"{name}.state[{saved_id}].{key} is a {type(value).__name__} in the "

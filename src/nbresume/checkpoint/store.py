@@ -240,6 +240,7 @@ class CheckpointStore:
         framework: str = "torch",
         check: Callable[[LoadedCheckpoint], None] | None = None,
         devices: Mapping[str, Any] | None = None,
+        fits: Callable[[LoadedCheckpoint], None] | None = None,
     ) -> LoadedCheckpoint:
         """The newest checkpoint that verifies (or exactly the one of ``step``).
 
@@ -255,11 +256,18 @@ class CheckpointStore:
 
         The tensor files named in ``devices`` (file name -> torch device) are read straight
         onto those devices (a restore into objects on a GPU).
+
+        ``fits`` checks each candidate as its tensor files' headers describe it, before their
+        tensors are read (:func:`~nbresume.checkpoint.reading.load_folder`): one that does
+        not fit is passed over as ``check`` passes it over, without taking memory for the
+        tensors it declares.
         """
 
         def load_one(found_step: int, name: str) -> LoadedCheckpoint | None:
             try:
-                return reading.load_folder(self.backend, found_step, name, framework, devices)
+                return reading.load_folder(
+                    self.backend, found_step, name, framework, devices, fits=fits
+                )
             except CorruptCheckpointError:
                 if not self.has_manifest(name):
                     # Never committed (what an interrupted write or deletion leaves on an

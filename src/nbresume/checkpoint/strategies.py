@@ -119,6 +119,21 @@ class Strategy:
 
         return check
 
+    def _fits(self, misfits: list[DoesNotFit]) -> Callable[[LoadedCheckpoint], None]:
+        """The check the store's reader runs on each candidate's headers, before its tensors
+        are read: compare what they declare with the live objects (changing nothing), so
+        that a checkpoint that does not fit costs no memory for its tensors. Checkpoints
+        that do not fit are collected in ``misfits``."""
+
+        def fits(heads: LoadedCheckpoint) -> None:
+            try:
+                restoring.check_fits(heads, self.ck._objects)
+            except DoesNotFit as exc:
+                misfits.append(exc)
+                raise
+
+        return fits
+
     def _plan(self, loaded: LoadedCheckpoint) -> restoring.RestorePlan:
         return restoring.plan(
             loaded, self.ck._objects, rank=self.group.rank, world_size=self.group.world_size
@@ -175,7 +190,8 @@ class OneProcess(Strategy):
         misfits: list[DoesNotFit] = []
         check = self._checker(misfits, apply=True)
         placed = restoring.devices(self.ck._objects)
-        self._newest(lambda: self.ck.store.load(check=check, devices=placed), misfits)
+        fits = self._fits(misfits)
+        self._newest(lambda: self.ck.store.load(check=check, devices=placed, fits=fits), misfits)
         self.ck._restored = True
         return self.ck.step
 
@@ -232,7 +248,8 @@ class DataParallel(Strategy):
             misfits: list[DoesNotFit] = []
             check = self._checker(misfits)
             try:
-                chosen = self._newest(lambda: store.load(check=check), misfits)
+                fits = self._fits(misfits)
+                chosen = self._newest(lambda: store.load(check=check, fits=fits), misfits)
             except Exception as exc:  # shared below, so that no rank waits for rank 0 alone
                 error = exc
         problem = group.broadcast_error(error)

@@ -142,6 +142,11 @@ def _numpy_to_raw(array: Any, name: str) -> RawTensor:
     return RawTensor(st_dtype, tuple(int(d) for d in array.shape), flat.view(np.uint8).data)
 
 
+def torch_name(dtype: str) -> str:
+    """The torch name of the safetensors dtype ``dtype`` (``F32``: ``float32``)."""
+    return _DTYPES[dtype][1] if dtype in _DTYPES else dtype
+
+
 def signature(value: Any) -> tuple[str, tuple[int, ...]] | None:
     """The safetensors dtype name and the shape of a torch tensor, a NumPy array or a
     :class:`TensorSpec` (``None`` for anything else, or a dtype safetensors cannot hold)."""
