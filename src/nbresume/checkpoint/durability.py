@@ -63,6 +63,7 @@ class DurabilityWatcher:
         self.store = store
         self.events = events
         self._pending: dict[int, tuple[CheckpointInfo, str, float]] = {}
+        self._claimed: set[int] = set()  # id() of checkpoints being confirmed (see _claim)
         self._lock = forksafe.lock()
         self._wake = forksafe.event()
         self._closed = False
@@ -123,9 +124,14 @@ class DurabilityWatcher:
             return
         durability = self.store.backend.durability(info.name, info.manifest)
         if durability.saved:
-            if self._drop(info):
-                self.events.emit(ev.DURABLE, info.step, location=info.location,
-                                 seconds=time.monotonic() - since)  # fmt: skip
+            if self._claim(info):
+                # Emitted before the step leaves `pending`: whoever waits for `pending` to
+                # empty (wait(durable=True)) finds every callback of `durable` already run.
+                try:
+                    self.events.emit(ev.DURABLE, info.step, location=info.location,
+                                     seconds=time.monotonic() - since)  # fmt: skip
+                finally:
+                    self._drop(info)
             return
         if durability.state != last_state:
             with self._lock:
@@ -135,8 +141,18 @@ class DurabilityWatcher:
             self.events.emit(ev.SYNCING, info.step, location=info.location,
                              state=durability.state, reason=durability.reason)  # fmt: skip
 
+    def _claim(self, info: CheckpointInfo) -> bool:
+        """Whether this caller is the one to confirm ``info`` (the watcher thread and a
+        ``check_now`` may find it durable at the same time: one of them says so)."""
+        with self._lock:
+            if self._pending.get(info.step, (None,))[0] is not info or id(info) in self._claimed:
+                return False
+            self._claimed.add(id(info))
+            return True
+
     def _drop(self, info: CheckpointInfo) -> bool:
         with self._lock:
+            self._claimed.discard(id(info))
             if self._pending.get(info.step, (None,))[0] is info:
                 del self._pending[info.step]
                 return True
