@@ -24,6 +24,7 @@ import importlib.util
 import random
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,3 +310,50 @@ def test_a_stream_without_workers_draws_on_streams_of_its_own_and_puts_the_users
     assert any(c.in_restore for c in recorder.calls), "the resume restored no RNG state"
     assert recorder.regions > streams.TOTAL, "every batch of the stream is a scoped region"
     check(recorder)
+
+
+def test_a_retried_drive_request_leaves_pythons_random_stream_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Drive client jitters a retry with ``random.random()``; nbresume's Drive calls (the
+    durability watcher polls them while training runs) jitter with a generator of their own."""
+    pytest.importorskip("googleapiclient", reason="needs google-api-python-client")
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from google.auth.credentials import AnonymousCredentials
+    from googleapiclient.discovery import build
+
+    from nbresume.checkpoint.backends.drive import DriveApi
+
+    answers = [(503, b"{}"), (200, b'{"storageQuota": {"limit": "100", "usage": "1"}}')]
+
+    class Drive(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            code, body = answers.pop(0) if answers else (200, b"{}")
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Drive)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # the retry's wait, not its jitter
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/drive/v3/"
+        service = build(
+            "drive", "v3", credentials=AnonymousCredentials(), static_discovery=True,
+            cache_discovery=False, client_options={"api_endpoint": url},
+        )  # fmt: skip
+        random.seed(7)
+        before = random.getstate()
+        quota = DriveApi(service)._execute(service.about().get(fields="storageQuota"))
+        assert quota["storageQuota"]["limit"] == "100"
+        assert not answers  # the 503 was retried
+        assert random.getstate() == before
+    finally:
+        server.shutdown()
+        server.server_close()

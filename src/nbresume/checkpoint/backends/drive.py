@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ from nbresume.checkpoint.backends.local import LocalStore
 from nbresume.checkpoint.durability import FAILED, MISSING, SAVED, SYNCING, Durability
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX, Manifest
 from nbresume.errors import StorageError, UsageError
+
+#: The Drive client's retry jitter (see DriveApi._execute), never the user's `random`.
+_RETRY_JITTER = random.Random()  # noqa: S311
 
 log = logging.getLogger("nbresume")
 
@@ -101,6 +105,9 @@ class DriveApi:
             return cls._shared
 
     def _execute(self, request: Any) -> Any:
+        # The client jitters its retries with random.random(): the user's own stream, which a
+        # guest never draws from. A generator of nbresume's own jitters them instead.
+        request._rand = _RETRY_JITTER.random
         with self._lock:
             return request.execute(num_retries=2)
 
