@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 
 from nbresume.checkpoint import deadline as deadline_module
-from nbresume.checkpoint.cadence import AUTO_FIRST_SAVE_S, Cadence, parse_duration
+from nbresume.checkpoint.cadence import AUTO_FIRST_SAVE_S, Cadence
 from nbresume.checkpoint.deadline import HOUR, resolve_deadline, session_started_at
+from nbresume.checkpoint.units import parse_duration
 
 
 @pytest.mark.parametrize(
@@ -139,7 +141,7 @@ def test_a_bad_deadline_is_refused() -> None:
 
 
 def test_auto_without_a_platform_has_no_deadline(no_platform: None) -> None:
-    if deadline_module.Path("/var/colab/hostname").exists():
+    if Path("/var/colab/hostname").exists():
         pytest.skip("this machine is a Colab VM")
     assert resolve_deadline("auto") == (None, "")
 
@@ -150,7 +152,7 @@ def test_auto_on_kaggle_ends_at_the_session_cap(
     monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Batch")
     at, source = resolve_deadline("auto")
     assert at is not None
-    gpu = deadline_module.Path("/dev/nvidia0").exists()
+    gpu = Path("/dev/nvidia0").exists()
     cap = 9 * HOUR if gpu else 12 * HOUR
     assert "Kaggle" in source
     # Counted from the session's real start, not from now: a run resumed late gets less.
