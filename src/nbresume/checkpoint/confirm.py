@@ -12,24 +12,21 @@ own way:
 - a local disk: every file and the folder are fsynced once more, so the kernel has written them
   to the device.
 
+Each backend answers for itself (:meth:`~nbresume.checkpoint.backends.base.Backend.confirm`).
+
 :func:`confirm` returns a :class:`Confirmation` that says which of these it saw, or raises a
 :class:`~nbresume.errors.CheckpointError` when the store did not confirm before the timeout.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nbresume.errors import CheckpointError, NoCheckpointError
 
 if TYPE_CHECKING:
-    from nbresume.checkpoint.backends.base import Backend
-    from nbresume.checkpoint.backends.fsspec_store import FsspecStore
-    from nbresume.checkpoint.info import CheckpointInfo
     from nbresume.checkpoint.store import CheckpointStore
 
 #: Seconds between two questions to a store that has not confirmed yet (a store's own
@@ -77,7 +74,7 @@ def confirm(
     backend = store.backend
     interval = min(POLL_S, backend.durability_poll_s) if poll is None else poll
     while True:
-        confirmed, seen = _ask(backend, info)
+        confirmed, seen = backend.confirm(info.name, info.manifest)
         seconds = time.monotonic() - started
         if confirmed:
             return Confirmation(info.step, info.location, seen, seconds)
@@ -89,74 +86,3 @@ def confirm(
                 "the checkpoint is not safe to rely on until the storage confirms it",
             )
         time.sleep(interval)
-
-
-def _ask(backend: Backend, info: CheckpointInfo) -> tuple[bool, str]:
-    """(confirmed?, what the storage reported) for one checkpoint."""
-    from nbresume.checkpoint.backends.fsspec_store import FsspecStore
-    from nbresume.checkpoint.backends.local import LocalStore
-
-    count = len(info.manifest.files)
-    if backend.write_back:
-        state = backend.durability(info.name, info.manifest)
-        name = _store_name(backend)
-        if state.saved:
-            return True, f"{name} reports all {count} files with the manifest's size and MD5"
-        return False, f"{name}: {state}"
-    if isinstance(backend, FsspecStore):
-        return _listed(backend, info)
-    if isinstance(backend, LocalStore):
-        _fsync_checkpoint(backend.root / info.name, info)
-        return True, f"its {count} files and its folder are fsynced to the local disk"
-    state = backend.durability(info.name, info.manifest)
-    return state.saved, str(state)
-
-
-def _store_name(backend: Backend) -> str:
-    from nbresume.checkpoint.backends.drive import DriveStore
-
-    return "Google Drive" if isinstance(backend, DriveStore) else "the durable store"
-
-
-def _listed(backend: FsspecStore, info: CheckpointInfo) -> tuple[bool, str]:
-    """Whether the store's own listing shows every file with the manifest's size."""
-    from nbresume.checkpoint.format import MANIFEST_NAME
-
-    folder = backend._path(info.name)
-    backend.fs.invalidate_cache(folder)
-    try:
-        listing = backend.fs.ls(folder, detail=True)
-    except FileNotFoundError:
-        listing = []
-    sizes = {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in listing}
-    missing = [n for n in [*info.manifest.files, MANIFEST_NAME] if n not in sizes]
-    wrong = [n for n, entry in info.manifest.files.items() if n in sizes and sizes[n] != entry.size]
-    if missing or wrong:
-        problems = [f"not listed: {', '.join(missing)}"] if missing else []
-        problems += [f"another size: {', '.join(wrong)}"] if wrong else []
-        return False, "the store's listing " + "; ".join(problems)
-    count = len(info.manifest.files)
-    return True, f"the store lists all {count} files and the manifest, with the manifest's sizes"
-
-
-def _fsync_checkpoint(folder: Path, info: CheckpointInfo) -> None:
-    """fsync every file of the checkpoint, then its folder and the folder above."""
-    from nbresume.checkpoint.format import MANIFEST_NAME
-
-    for name in [*info.manifest.files, MANIFEST_NAME]:
-        fd = os.open(folder / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    for directory in (folder, folder.parent):
-        try:
-            fd = os.open(directory, os.O_RDONLY)
-        except OSError:  # a platform without directory handles
-            continue
-        try:
-            os.fsync(fd)
-        except OSError:  # some file systems refuse fsync on a directory; the files are done
-            pass
-        finally:
-            os.close(fd)

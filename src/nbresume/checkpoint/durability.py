@@ -15,40 +15,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe
 
+# The value a backend answers with lives with the backend protocol; named here too.
+from nbresume.checkpoint.backends.base import FAILED, MISSING, SAVED, SYNCING, Durability
+
 if TYPE_CHECKING:
     from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
 
+__all__ = ["FAILED", "MISSING", "SAVED", "SYNCING", "Durability", "DurabilityWatcher"]
+
 log = logging.getLogger("nbresume")
-
-#: Every file of the checkpoint is in the durable store, with the manifest's size and hash.
-SAVED = "saved"
-#: Part of it is there, or some of it is there with other bytes: the upload is under way.
-SYNCING = "syncing"
-#: Nothing of it is in the durable store yet.
-MISSING = "missing"
-#: The durable store could not be asked (an API error, no credentials); ``reason`` says why.
-FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Durability:
-    """What the durable store holds of one checkpoint. Only ``state == "saved"`` is saved."""
-
-    state: str
-    reason: str = ""
-
-    @property
-    def saved(self) -> bool:
-        return self.state == SAVED
-
-    def __str__(self) -> str:
-        return f"{self.state}: {self.reason}" if self.reason else self.state
 
 
 class DurabilityWatcher:

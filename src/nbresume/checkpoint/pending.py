@@ -51,7 +51,7 @@ from nbresume.checkpoint.format import (
 from nbresume.checkpoint.hashing import Digests, DurableCloser, Streamed, default_hash, write_files
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.reading import verify_folder
-from nbresume.checkpoint.storage import READ_CHUNK, LocalStore, Store
+from nbresume.checkpoint.storage import READ_CHUNK, Store
 from nbresume.checkpoint.units import format_bytes
 from nbresume.checkpoint.version import __version__
 from nbresume.errors import (
@@ -137,7 +137,7 @@ class PendingCheckpoint:
     def path(self) -> Path | None:
         """The pending folder as a local path another library may write into (``None`` on
         an object store: write to :attr:`location` with its file system instead)."""
-        return self._backend.root / self.folder if isinstance(self._backend, LocalStore) else None
+        return self._backend.local_path(self.folder)
 
     @property
     def entries(self) -> Mapping[str, FileEntry]:
@@ -402,12 +402,8 @@ class PendingCheckpoint:
         source.rmdir()
 
     def _hash_in_place(self, name: str) -> FileEntry:
-        if isinstance(self._backend, LocalStore):
-            fd = os.open(self._backend.root / self.folder / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # written by another library: make it durable before it counts
-            finally:
-                os.close(fd)
+        # Written by another library: made durable before it counts.
+        self._backend.make_durable(self.folder, name)
         size = 0
         with self._backend.open_read(self.folder, name) as handle:
             digests = Digests(md5=self._owner.md5, threaded=False, algorithm=self.hash)

@@ -60,7 +60,6 @@ from nbresume.checkpoint.hashing import (
 from nbresume.checkpoint.info import LoadedCheckpoint, VerifyResult
 from nbresume.checkpoint.storage import (
     READ_CHUNK,
-    LocalStore,
     Store,
     handle_size,
     read_into,
@@ -458,9 +457,10 @@ def has_manifest(store: Store, name: str) -> bool:
     """Whether the folder holds anything named ``manifest.json``. One that is not a
     regular file (a FIFO, a link, a folder) makes a broken checkpoint, never a save that
     did not commit: it is reported, not passed over in silence (and never opened)."""
-    if isinstance(store, LocalStore):
+    path = store.local_path(name, MANIFEST_NAME)
+    if path is not None:
         try:
-            os.lstat(store.root / name / MANIFEST_NAME)
+            os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
             return False
         except OSError:

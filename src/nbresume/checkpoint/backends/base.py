@@ -22,18 +22,41 @@ import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from pathlib import Path
+from typing import IO, Any
 
 from nbresume.checkpoint.format import RETIRED_PREFIX, Manifest
-
-if TYPE_CHECKING:
-    from nbresume.checkpoint.durability import Durability
 
 READ_CHUNK = 8 << 20
 
 # Folders a writer leaves behind when it is killed; each begins with a dot (hidden from `ls`).
 REPLACED_PREFIX = RETIRED_PREFIX + "replaced-"  # an older copy of the same step, being replaced
 DELETING_PREFIX = RETIRED_PREFIX + "deleting-"  # a checkpoint that retention is removing
+
+
+#: Every file of the checkpoint is in the durable store, with the manifest's size and hash.
+SAVED = "saved"
+#: Part of it is there, or some of it is there with other bytes: the upload is under way.
+SYNCING = "syncing"
+#: Nothing of it is in the durable store yet.
+MISSING = "missing"
+#: The durable store could not be asked (an API error, no credentials); ``reason`` says why.
+FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Durability:
+    """What the durable store holds of one checkpoint. Only ``state == "saved"`` is saved."""
+
+    state: str
+    reason: str = ""
+
+    @property
+    def saved(self) -> bool:
+        return self.state == SAVED
+
+    def __str__(self) -> str:
+        return f"{self.state}: {self.reason}" if self.reason else self.state
 
 
 @dataclass(frozen=True)
@@ -55,6 +78,8 @@ class Backend(ABC):
     write_back: bool = False
     #: Whether the durable store reports each file's MD5 (then manifests record MD5s too).
     reports_md5: bool = False
+    #: What a confirmation calls the storage behind a write-back cache (:meth:`confirm`).
+    store_name: str = "the durable store"
     #: Seconds between two :meth:`durability` checks of a checkpoint still uploading.
     durability_poll_s: float = 5.0
     #: Whether :meth:`create_small` is atomic (``O_EXCL`` on POSIX). On object stores two
@@ -131,11 +156,35 @@ class Backend(ABC):
         """Free bytes and inodes, where the store can tell."""
         return FreeSpace(None, None)
 
+    def local_path(self, folder: str, name: str | None = None) -> Path | None:
+        """``folder`` (or its file ``name``) as a path on this machine's file system, for
+        another library to write into or for a look without opening; ``None`` on a store
+        that has no such path (an object store)."""
+        return None
+
+    def make_durable(self, folder: str, name: str) -> None:
+        """Make a file that another library wrote into ``folder`` durable (fsync where
+        there is such a thing; an object store's file is durable once it was written)."""
+        return None
+
+    def confirm(self, folder: str, manifest: Manifest) -> tuple[bool, str]:
+        """Whether the storage itself confirms the committed checkpoint ``folder``
+        (``wait(durable=True)`` asks it until it does), and what the storage reported, in
+        words. By default, what :meth:`durability` says."""
+        state = self.durability(folder, manifest)
+        if self.write_back and state.saved:
+            count = len(manifest.files)
+            return (
+                True,
+                f"{self.store_name} reports all {count} files with the manifest's size and MD5",
+            )
+        if self.write_back:
+            return False, f"{self.store_name}: {state}"
+        return state.saved, str(state)
+
     def durability(self, folder: str, manifest: Manifest) -> Durability:
         """What the durable store holds of a checkpoint that verified. Without a write-back
         cache, what reads back is the durable copy itself: saved."""
-        from nbresume.checkpoint.durability import SAVED, Durability
-
         return Durability(SAVED)
 
     def read_bytes(self, folder: str, name: str, *, limit: int | None = None) -> bytearray:

@@ -28,9 +28,15 @@ from typing import Any
 
 from nbresume import knobs
 from nbresume.checkpoint import forksafe
-from nbresume.checkpoint.backends.base import REPLACED_PREFIX
+from nbresume.checkpoint.backends.base import (
+    FAILED,
+    MISSING,
+    REPLACED_PREFIX,
+    SAVED,
+    SYNCING,
+    Durability,
+)
 from nbresume.checkpoint.backends.local import LocalStore
-from nbresume.checkpoint.durability import FAILED, MISSING, SAVED, SYNCING, Durability
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX, Manifest
 from nbresume.errors import StorageError, UsageError
 
@@ -195,6 +201,7 @@ class DriveStore(LocalStore):
 
     write_back = True
     reports_md5 = True
+    store_name = "Google Drive"
     #: Another VM sees the writer lease only through Drive's sync, which can lag a renewal by
     #: minutes: a lease is stale later than on other stores.
     lease_expiry_s = 300.0

@@ -13,7 +13,13 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from nbresume.checkpoint.backends.base import SMALL_FILE_LIMIT, Backend
-from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
+from nbresume.checkpoint.format import (
+    MANIFEST_NAME,
+    RETIRED_PREFIX,
+    TEMP_PREFIX,
+    Manifest,
+    parse_step_dirname,
+)
 from nbresume.errors import StorageError
 
 
@@ -92,6 +98,28 @@ class FsspecStore(Backend):
         handle: IO[bytes] = self.fs.open(self._path(folder, name), "wb")
         return handle
 
+    def confirm(self, folder: str, manifest: Manifest) -> tuple[bool, str]:
+        """Whether the store's own listing of ``folder`` shows every file of the manifest with
+        the manifest's size (some stores list late: asked again until they do)."""
+        path = self._path(folder)
+        self.fs.invalidate_cache(path)
+        try:
+            listing = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            listing = []
+        sizes = {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in listing}
+        missing = [n for n in [*manifest.files, MANIFEST_NAME] if n not in sizes]
+        wrong = [n for n, entry in manifest.files.items() if n in sizes and sizes[n] != entry.size]
+        if missing or wrong:
+            problems = [f"not listed: {', '.join(missing)}"] if missing else []
+            problems += [f"another size: {', '.join(wrong)}"] if wrong else []
+            return False, "the store's listing " + "; ".join(problems)
+        count = len(manifest.files)
+        return (
+            True,
+            f"the store lists all {count} files and the manifest, with the manifest's sizes",
+        )
+
     def close_durably(self, handle: IO[bytes]) -> None:
         handle.close()
 
@@ -122,7 +150,6 @@ class FsspecStore(Backend):
 
     def recover(self, current: str) -> list[str]:
         # Step folders without a manifest are writes that never committed.
-        from nbresume.checkpoint.format import parse_step_dirname
 
         self._check_writer()
         cleaned = []

@@ -37,7 +37,7 @@ from nbresume.checkpoint.backends.base import (
     _token,
     replaced_step,
 )
-from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX
+from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX, Manifest
 from nbresume.errors import StorageError
 
 
@@ -211,6 +211,34 @@ class LocalStore(Backend):
 
     def open_write(self, folder: str, name: str) -> IO[bytes]:
         return self.files.open_new(self.root / folder / name)
+
+    def local_path(self, folder: str, name: str | None = None) -> Path:
+        return self.root / folder if name is None else self.root / folder / name
+
+    def make_durable(self, folder: str, name: str) -> None:
+        fd = os.open(self.root / folder / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def confirm(self, folder: str, manifest: Manifest) -> tuple[bool, str]:
+        """Every file of the checkpoint, then its folder and the folder above, fsynced once
+        more: the kernel has written them to the device. (A write-back cache, Drive's mount,
+        asks the durable store instead.)"""
+        if self.write_back:
+            return super().confirm(folder, manifest)
+        path = self.root / folder
+        for name in [*manifest.files, MANIFEST_NAME]:
+            fd = os.open(path / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_folder(path)
+        fsync_folder(path.parent)
+        count = len(manifest.files)
+        return True, f"its {count} files and its folder are fsynced to the local disk"
 
     def close_durably(self, handle: IO[bytes]) -> None:
         try:

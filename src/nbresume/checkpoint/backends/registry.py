@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbresume import knobs
+from nbresume.checkpoint.arguments import kind, refused
 from nbresume.checkpoint.backends.base import Backend
 from nbresume.errors import UsageError
 
@@ -130,7 +131,6 @@ def open_store(
 def check_location(location: object, call: str = "Checkpointer", argument: str = "dir") -> str:
     """``location`` as a str: a local folder or an fsspec URL of a known scheme; anything
     else (``None``, ``""``, a number, ``"nosuchscheme://x"``) raises ArgumentError."""
-    from nbresume.checkpoint.arguments import kind, refused
 
     fix = (
         f'{argument}="runs/exp1" (a folder, created when needed), a pathlib.Path, or a URL '
