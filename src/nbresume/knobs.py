@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from nbresume.checkpoint.units import parse_duration
 from nbresume.errors import UsageError
 
 
@@ -244,8 +245,6 @@ def session_cap() -> float | None:
         return UNSET
     if text in ("none", "0", "off"):
         return None
-    from nbresume.checkpoint.cadence import parse_duration
-
     try:
         return parse_duration(text)
     except ValueError:

@@ -8,7 +8,6 @@ takes) and the time a step takes, and rounds W down to a whole number of steps.
 from __future__ import annotations
 
 import math
-import re
 
 from nbresume import knobs
 from nbresume.checkpoint.arguments import (
@@ -18,23 +17,10 @@ from nbresume.checkpoint.arguments import (
     kind,
     refused,
 )
-
-_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|secs|m|min|mins|h|hr|hrs|d)?\s*", re.I)
-_UNIT_SECONDS = {
-    None: 1.0, "ms": 0.001, "s": 1.0, "sec": 1.0, "secs": 1.0, "m": 60.0, "min": 60.0,
-    "mins": 60.0, "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "d": 86400.0,
-}  # fmt: skip
+from nbresume.checkpoint.units import DURATION, parse_duration
 
 #: Until the first save has been measured, "auto" saves after this many seconds.
 AUTO_FIRST_SAVE_S = 120.0
-
-
-def parse_duration(text: str) -> float:
-    """``"15min"`` -> 900.0; ``"2h"``, ``"90s"``, ``"1.5h"`` likewise. Raises ValueError."""
-    match = _DURATION.fullmatch(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a duration such as '90s', '15min' or '2h'")
-    return float(match.group(1)) * _UNIT_SECONDS[match.group(2) and match.group(2).lower()]
 
 
 def young_daly_seconds(save_cost_s: float, mtbf_s: float) -> float:
@@ -72,7 +58,7 @@ def parse_every(every: object, call: str = "Checkpointer") -> tuple[int | None, 
         return None, None, True
     if not isinstance(every, str):
         raise refused(call, "every", every, f"{kind(every)} is not a cadence", _EVERY_FIX)
-    unitless = _DURATION.fullmatch(every)
+    unitless = DURATION.fullmatch(every)
     if unitless is not None and unitless.group(2) is None:
         raise refused(
             call,

@@ -51,8 +51,14 @@ from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.epochloop import EpochLoopMixin
 from nbresume.checkpoint.format import parse_step_dirname
 from nbresume.checkpoint.generators import GeneratorState, is_generator
-from nbresume.checkpoint.keywords import check_arguments, check_name, is_dataloader
+from nbresume.checkpoint.keywords import (
+    check_arguments,
+    check_name,
+    is_dataloader,
+    option_names,
+)
 from nbresume.checkpoint.lease import acquire_writer_lease
+from nbresume.checkpoint.sharded import is_sharded_object
 from nbresume.checkpoint.snapshot import Saver, Snapshot, capture
 from nbresume.checkpoint.state import flatten
 from nbresume.checkpoint.store import (
@@ -130,6 +136,7 @@ class Checkpointer(EpochLoopMixin):
             trainable_only=trainable_only,
             quiet=quiet,
             state=state,
+            options=option_names(Checkpointer.__init__),
         )
         check_bool("Checkpointer", "deterministic", deterministic)
         determinism.apply(deterministic, "Checkpointer")
@@ -380,7 +387,6 @@ class Checkpointer(EpochLoopMixin):
     def _sharded_objects(self) -> dict[str, Any]:
         """The objects whose state is sharded, by name (none, and nothing imported, in a
         program that has not imported DTensor or ShardedTensor)."""
-        from nbresume.checkpoint.sharded import is_sharded_object
 
         return {n: o for n, o in self._objects.items() if is_sharded_object(o)}
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 import os
 import time
 
-from nbresume.checkpoint import procfs
+from nbresume import knobs
+from nbresume.checkpoint import hooks, procfs
+from nbresume.checkpoint.arguments import check_positive_seconds, is_number, kind, refused
+from nbresume.checkpoint.units import parse_duration
 
 HOUR = 3600.0
 
@@ -24,7 +27,6 @@ def session_started_at() -> float:
     """When this machine's session began (the start of process 1 of this container), as a
     Unix time; NBRESUME_SESSION_START when set; the current process's start when neither can
     be read."""
-    from nbresume import knobs
 
     forced = knobs.session_start()
     if forced is not None:
@@ -46,7 +48,6 @@ _PROCESS_STARTED = time.time()
 def session_deadline() -> tuple[float | None, str]:
     """When the platform ends this session (a Unix time) and what that limit is called, as the
     platform layer provides it (:mod:`nbresume.checkpoint.hooks`); no provider: no cap."""
-    from nbresume.checkpoint import hooks
 
     return hooks.session_deadline()
 
@@ -59,13 +60,6 @@ _DEADLINE_FIX = (
 
 def check_deadline(deadline: object, call: str = "Checkpointer") -> float | str | None:
     """``deadline=`` checked: ``None``, ``"auto"``, or the seconds from now (more than 0)."""
-    from nbresume.checkpoint.arguments import (
-        check_positive_seconds,
-        is_number,
-        kind,
-        refused,
-    )
-    from nbresume.checkpoint.cadence import parse_duration
 
     if deadline is None:
         return None

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from nbresume.checkpoint import forksafe
+from nbresume.checkpoint import forksafe, hooks
 
 T = TypeVar("T")
 
@@ -208,7 +208,6 @@ class DataWaitShare:
 
     def advice(self) -> str:
         """What to change when the run is input-bound."""
-        from nbresume.checkpoint import hooks
 
         cpus = hooks.usable_cpus()
         workers = "" if self.num_workers is None else f" (now {self.num_workers})"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from nbresume.checkpoint.arguments import (
@@ -48,10 +48,12 @@ def check_arguments(
     storage_options: object,
     trainable_only: object,
     state: Mapping[str, Any],
+    options: Collection[str],
     quiet: object = False,
 ) -> None:
     """Check every argument of ``Checkpointer(...)``; raise ArgumentError for the first wrong
-    one, naming it, its value and the fix."""
+    one, naming it, its value and the fix. ``options`` are the names of its options (a
+    misspelled one among the state keywords is named: :func:`option_names`)."""
     call = "Checkpointer"
     if not isinstance(dir, Store):
         check_location(dir, call, "dir")
@@ -65,7 +67,7 @@ def check_arguments(
     check_callbacks(call, callbacks)
     check_storage_options(call, storage_options)
     for name, value in state.items():
-        _check_state_keyword(name, value)
+        _check_state_keyword(name, value, options)
 
 
 def check_name(name: object) -> None:
@@ -77,7 +79,7 @@ def check_name(name: object) -> None:
         )
 
 
-def _check_state_keyword(name: str, value: Any) -> None:
+def _check_state_keyword(name: str, value: Any, options: Collection[str]) -> None:
     """A keyword of ``Checkpointer(...)`` that is not an option must be a stateful object or
     a DataLoader. A plain value there is most often a misspelled option (``evry=2``), which
     would otherwise be saved as a value and change nothing: it is refused, and the option it
@@ -88,7 +90,7 @@ def _check_state_keyword(name: str, value: Any) -> None:
     if not isinstance(value, type) and _is_stateful(value):
         return
     shown = show(value)
-    close = difflib.get_close_matches(name, _options(), n=1)
+    close = difflib.get_close_matches(name, list(options), n=1)
     if close:
         raise refused(
             "Checkpointer",
@@ -133,11 +135,10 @@ def _is_stateful(value: Any) -> bool:
     )
 
 
-def _options() -> list[str]:
-    """The names of Checkpointer's options (its parameters other than ``**state``)."""
-    from nbresume.checkpoint.checkpointer import Checkpointer  # the class this module checks
-
-    parameters = inspect.signature(Checkpointer.__init__).parameters.values()
+def option_names(init: Callable[..., Any]) -> list[str]:
+    """The names of the options of a constructor ``init``: its parameters other than
+    ``self`` and ``**state``."""
+    parameters = inspect.signature(init).parameters.values()
     return [p.name for p in parameters if p.name != "self" and p.kind is not p.VAR_KEYWORD]
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from nbresume.checkpoint import param_groups
 from nbresume.checkpoint.generators import check_mt19937_position
+from nbresume.checkpoint.tensorfile import _DTYPES, TensorSpec, signature
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
 TAG = "$t"
@@ -123,7 +124,6 @@ def check_depth(document: Tree, *, where: str, limit: int = MAX_DEPTH) -> None:
 
 def _declared(value: Any) -> dict[str, Any]:
     """The dtype and shape a tensor reference declares (checked against the file on load)."""
-    from nbresume.checkpoint.tensorfile import signature
 
     found = signature(value)
     return {} if found is None else {"dtype": found[0], "shape": list(found[1])}
@@ -146,7 +146,6 @@ def unflatten(
     :class:`CorruptCheckpointError` naming ``where`` (``tensors_where``, the tensor file, for
     a tensor that is missing or differs) and the key (``path`` prefixes it).
     """
-    from nbresume.checkpoint.tensorfile import signature
 
     check_depth(document, where=where)
 
@@ -379,7 +378,6 @@ def check_rng(state: Mapping[str, Any], *, where: str) -> None:
     on a GPU, after the others). Tensors may be NumPy arrays (``verify`` reads them without
     torch) or :class:`~nbresume.checkpoint.tensorfile.TensorSpec` headers: then only their
     dtype and rank are checked."""
-    from nbresume.checkpoint.tensorfile import TensorSpec
 
     try:
         if "python" in state:
@@ -451,7 +449,6 @@ def _bytes_of(value: Any) -> bytes:
 
 def _numpy_stand_in(value: Any) -> Any:
     """A zero array in place of a small tensor header, so NumPy can check the rest."""
-    from nbresume.checkpoint.tensorfile import _DTYPES, TensorSpec
 
     if not isinstance(value, TensorSpec):
         return value
@@ -464,7 +461,6 @@ def _numpy_stand_in(value: Any) -> Any:
 
 
 def _is_byte_tensor(value: Any) -> bool:
-    from nbresume.checkpoint.tensorfile import TensorSpec
 
     if isinstance(value, TensorSpec):
         return value.dtype == "U8" and len(value.shape) == 1

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from nbresume.checkpoint import distributed, restoring
 from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.restoring import DoesNotFit
+from nbresume.checkpoint.sharded import load_sharded, loadable_state, save_sharded
 from nbresume.checkpoint.snapshot import RNG_GROUP, STATE_FILE, background_failure, raiser
 from nbresume.checkpoint.state import capture_rng
 from nbresume.checkpoint.store import CheckpointInfo, LoadedCheckpoint
@@ -290,7 +291,6 @@ class Sharded(Strategy):
     def save(
         self, step: int, epoch: int, metrics: dict[str, float], *, background: bool
     ) -> CheckpointInfo | None:
-        from nbresume.checkpoint.sharded import save_sharded
 
         sharded = self.ck._sharded_objects()
         self.saver.retry_after(self.saver.background.drain())
@@ -325,7 +325,6 @@ class Sharded(Strategy):
     def restore(self) -> int:
         """Every rank loads its shards in place and the rest of the state (its own RNGs) from
         the newest checkpoint that verifies; rank 0 picks it for all."""
-        from nbresume.checkpoint.sharded import load_sharded, loadable_state
 
         if self.ck._restored:
             return self.ck.step

@@ -1,7 +1,9 @@
 """Sizes and durations in the units people read: one formatter of each for messages, the CLI,
-the panel and the status line."""
+the panel and the status line, and the one parser of durations people write (``"15min"``)."""
 
 from __future__ import annotations
+
+import re
 
 
 def format_bytes(count: int | None) -> str:
@@ -33,3 +35,19 @@ def format_duration(seconds: float, *, compact: bool = False) -> str:
     if minutes:
         return f"{minutes} min {secs} s" if secs and minutes < 10 else f"{minutes} min"
     return f"{secs} s"
+
+
+#: A duration people write: a number, then a unit or none (seconds).
+DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|secs|m|min|mins|h|hr|hrs|d)?\s*", re.I)
+_UNIT_SECONDS = {
+    None: 1.0, "ms": 0.001, "s": 1.0, "sec": 1.0, "secs": 1.0, "m": 60.0, "min": 60.0,
+    "mins": 60.0, "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "d": 86400.0,
+}  # fmt: skip
+
+
+def parse_duration(text: str) -> float:
+    """``"15min"`` -> 900.0; ``"2h"``, ``"90s"``, ``"1.5h"`` likewise. Raises ValueError."""
+    match = DURATION.fullmatch(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration such as '90s', '15min' or '2h'")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2) and match.group(2).lower()]
