@@ -282,7 +282,7 @@ class Checkpointer(EpochLoopMixin):
         """The strategy of this Checkpointer, chosen once: at the first save or restore (see
         :mod:`nbresume.checkpoint.strategies`)."""
         if self._chosen is None:
-            self._chosen = choose(self)
+            self._chosen = choose(_StrategyHost(self))
         return self._chosen
 
     def _apply_plan(self, plan: restoring.RestorePlan) -> None:
@@ -799,3 +799,35 @@ def _unhandled() -> object:
     """The last exception that reached the top of the interpreter unhandled (a script's, or a
     notebook cell's), or None."""
     return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+class _StrategyHost:
+    """What this Checkpointer gives its strategy (:class:`~nbresume.checkpoint.strategies.Host`):
+    the store, the saver and the steps of a save and a restore, and nothing else of it."""
+
+    def __init__(self, ck: Checkpointer) -> None:
+        self._ck = ck
+        self.store = ck.store
+        self.saver = ck._saver
+        self.capture = ck._capture
+        self.mark_saved = ck._mark_saved
+        self.apply_plan = ck._apply_plan
+        self.any_committed = ck._any_committed
+        self.sharded_objects = ck._sharded_objects
+        self.wrapped_loaders = ck._wrapped_loaders
+
+    @property
+    def step(self) -> int:
+        return self._ck.step
+
+    @property
+    def objects(self) -> Mapping[str, Any]:
+        return self._ck._objects
+
+    @property
+    def restored(self) -> bool:
+        return self._ck._restored
+
+    @restored.setter
+    def restored(self, value: bool) -> None:
+        self._ck._restored = value

@@ -1,6 +1,7 @@
 """How a Checkpointer saves, restores and agrees at a step boundary: one strategy per mode.
 
-The protocol every :class:`Strategy` implements, for the :class:`Checkpointer` that owns it:
+The protocol every :class:`Strategy` implements, for the :class:`Checkpointer` that owns it
+(and gives it a :class:`Host`: what a strategy uses of it):
 
 - ``save(step, epoch, metrics, background=...)``: capture the state and write one
   checkpoint; return the verified :class:`CheckpointInfo` of a blocking save where this
@@ -24,29 +25,70 @@ model is sharded, which may both happen after the Checkpointer was made.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from nbresume.checkpoint import distributed, restoring
 from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.restoring import DoesNotFit
 from nbresume.checkpoint.sharded import load_sharded, loadable_state, save_sharded
-from nbresume.checkpoint.snapshot import RNG_GROUP, STATE_FILE, background_failure, raiser
+from nbresume.checkpoint.snapshot import (
+    RNG_GROUP,
+    STATE_FILE,
+    Saver,
+    Snapshot,
+    background_failure,
+    raiser,
+)
 from nbresume.checkpoint.state import capture_rng
-from nbresume.checkpoint.store import CheckpointInfo, LoadedCheckpoint
+from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
 from nbresume.errors import CheckpointError, NoCheckpointError
 
-if TYPE_CHECKING:
-    from nbresume.checkpoint.checkpointer import Checkpointer
+
+class Host(Protocol):
+    """What a strategy uses of the Checkpointer that owns it (given by the Checkpointer as
+    a small object of its own; a strategy never reaches into the Checkpointer itself)."""
+
+    store: CheckpointStore
+    saver: Saver
+    #: Whether this Checkpointer restored (or found nothing to restore) already.
+    restored: bool
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def objects(self) -> Mapping[str, Any]: ...
+
+    def wrapped_loaders(self) -> list[ResumableLoader]: ...
+
+    def sharded_objects(self) -> dict[str, Any]: ...
+
+    def any_committed(self) -> bool: ...
+
+    def capture(
+        self,
+        step: int,
+        epoch: int,
+        metrics: dict[str, float],
+        *,
+        copy: bool,
+        ranks: list[Any] | None = None,
+        sharded: Mapping[str, Any] | None = None,
+    ) -> Snapshot: ...
+
+    def mark_saved(self, step: int) -> None: ...
+
+    def apply_plan(self, plan: restoring.RestorePlan) -> None: ...
 
 
 class Strategy:
     """What every mode shares; a mode's class adds its own ``save`` and ``restore``."""
 
-    def __init__(self, ck: Checkpointer, group: distributed.Group) -> None:
-        self.ck = ck
+    def __init__(self, host: Host, group: distributed.Group) -> None:
+        self.host = host
         self.group = group
-        self.saver = ck._saver
+        self.saver = host.saver
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.group!r})"
@@ -92,9 +134,9 @@ class Strategy:
 
     def _done_restoring(self) -> int:
         """The end of a restore: the Checkpointer counts as restored, the seeds are shared."""
-        self.ck._restored = True
-        self.share_loader_seeds(self.ck._wrapped_loaders())
-        return self.ck.step
+        self.host.restored = True
+        self.share_loader_seeds(self.host.wrapped_loaders())
+        return self.host.step
 
     def _checker(
         self,
@@ -116,7 +158,7 @@ class Strategy:
             if plans is not None:
                 plans.append(plan)
             if apply:
-                self.ck._apply_plan(plan)
+                self.host.apply_plan(plan)
 
         return check
 
@@ -128,7 +170,7 @@ class Strategy:
 
         def fits(heads: LoadedCheckpoint) -> None:
             try:
-                restoring.check_fits(heads, self.ck._objects)
+                restoring.check_fits(heads, self.host.objects)
             except DoesNotFit as exc:
                 misfits.append(exc)
                 raise
@@ -137,7 +179,7 @@ class Strategy:
 
     def _plan(self, loaded: LoadedCheckpoint) -> restoring.RestorePlan:
         return restoring.plan(
-            loaded, self.ck._objects, rank=self.group.rank, world_size=self.group.world_size
+            loaded, self.host.objects, rank=self.group.rank, world_size=self.group.world_size
         )
 
     def _newest(
@@ -148,11 +190,11 @@ class Strategy:
         try:
             return load()
         except NoCheckpointError:
-            if self.ck._any_committed():
+            if self.host.any_committed():
                 raise  # checkpoints exist but none verifies: starting over would hide that
             return None
         except DoesNotFit as exc:
-            raise restoring.no_fit(exc, misfits, self.ck.store.location) from None
+            raise restoring.no_fit(exc, misfits, self.host.store.location) from None
 
     def _after(self, earlier: BaseException | None, *, background: bool) -> None:
         """A save begins after the last background one ended with ``earlier``: an async save
@@ -168,7 +210,7 @@ class Strategy:
     def _ranks_rng(self) -> list[Any] | None:
         """Every rank's RNG states on rank 0, gathered before anything is written."""
         return distributed.gather(
-            self.group, capture_rng(), name=RNG_GROUP, where=self.ck.store.location
+            self.group, capture_rng(), name=RNG_GROUP, where=self.host.store.location
         )
 
 
@@ -180,21 +222,21 @@ class OneProcess(Strategy):
     ) -> CheckpointInfo | None:
         earlier = self.saver.background.drain()  # one save in flight at most
         self._after(earlier, background=background)
-        snapshot = self.ck._capture(step, epoch, metrics, copy=background)
-        self.ck._mark_saved(step)
+        snapshot = self.host.capture(step, epoch, metrics, copy=background)
+        self.host.mark_saved(step)
         return self.saver.finish(snapshot, background=background)
 
     def restore(self) -> int:
         self.raise_background_error()
-        if self.ck._restored:
-            return self.ck.step
+        if self.host.restored:
+            return self.host.step
         misfits: list[DoesNotFit] = []
         check = self._checker(misfits, apply=True)
-        placed = restoring.devices(self.ck._objects)
+        placed = restoring.devices(self.host.objects)
         fits = self._fits(misfits)
-        self._newest(lambda: self.ck.store.load(check=check, devices=placed, fits=fits), misfits)
-        self.ck._restored = True
-        return self.ck.step
+        self._newest(lambda: self.host.store.load(check=check, devices=placed, fits=fits), misfits)
+        self.host.restored = True
+        return self.host.step
 
 
 class DataParallel(Strategy):
@@ -211,7 +253,7 @@ class DataParallel(Strategy):
         # An async save also makes this the point every rank reaches before the write.
         self._after(earlier, background=background)
         ranks = self._ranks_rng()
-        self.ck._mark_saved(step)
+        self.host.mark_saved(step)
         if not self.leads:
             if not background:
                 problem = group.broadcast_error(None)
@@ -219,7 +261,7 @@ class DataParallel(Strategy):
                     raise problem
             return None
         try:
-            snapshot = self.ck._capture(step, epoch, metrics, copy=background, ranks=ranks)
+            snapshot = self.host.capture(step, epoch, metrics, copy=background, ranks=ranks)
         except Exception as exc:
             if not background:
                 group.broadcast_error(exc)
@@ -240,9 +282,9 @@ class DataParallel(Strategy):
 
     def restore(self) -> int:
         """Rank 0 picks the checkpoint (the newest that verifies), every rank loads that step."""
-        if self.ck._restored:
-            return self.ck.step
-        group, store = self.group, self.ck.store
+        if self.host.restored:
+            return self.host.step
+        group, store = self.group, self.host.store
         chosen: LoadedCheckpoint | None = None
         error: BaseException | None = None
         if self.leads:
@@ -279,7 +321,7 @@ class DataParallel(Strategy):
                 "put it on a shared file system or an object store; see the failing rank's log",
             )
         assert plan is not None
-        self.ck._apply_plan(plan)
+        self.host.apply_plan(plan)
         return self._done_restoring()
 
 
@@ -292,14 +334,14 @@ class Sharded(Strategy):
         self, step: int, epoch: int, metrics: dict[str, float], *, background: bool
     ) -> CheckpointInfo | None:
 
-        sharded = self.ck._sharded_objects()
+        sharded = self.host.sharded_objects()
         self.saver.retry_after(self.saver.background.drain())
         ranks = self._ranks_rng() if self.group.world_size > 1 else None
         snapshot = None
         error: BaseException | None = None
         if self.leads:
             try:
-                snapshot = self.ck._capture(
+                snapshot = self.host.capture(
                     step, epoch, metrics, copy=False, ranks=ranks, sharded=sharded
                 )
             except Exception as exc:
@@ -307,11 +349,11 @@ class Sharded(Strategy):
         problem = self.group.broadcast_error(error)
         if problem is not None:
             raise problem
-        self.ck._mark_saved(step)
+        self.host.mark_saved(step)
         return self.saver.commit(
             step,
             lambda on_committed: save_sharded(
-                self.ck.store,
+                self.host.store,
                 step,
                 {name: obj.state_dict() for name, obj in sharded.items()},
                 tensors=snapshot.tensors if snapshot else None,
@@ -326,30 +368,34 @@ class Sharded(Strategy):
         """Every rank loads its shards in place and the rest of the state (its own RNGs) from
         the newest checkpoint that verifies; rank 0 picks it for all."""
 
-        if self.ck._restored:
-            return self.ck.step
-        sharded = self.ck._sharded_objects()
+        if self.host.restored:
+            return self.host.step
+        sharded = self.host.sharded_objects()
         states = {name: loadable_state(obj) for name, obj in sharded.items()}
         misfits: list[DoesNotFit] = []
         plans: list[restoring.RestorePlan] = []
         # The rest of the state is checked before any shard is loaded in place.
         check = self._checker(misfits, plans=plans)
-        if self._newest(lambda: load_sharded(self.ck.store, states, check=check), misfits) is None:
+        if (
+            self._newest(lambda: load_sharded(self.host.store, states, check=check), misfits)
+            is None
+        ):
             self._done_restoring()
             return 0
-        self.ck._apply_plan(plans[-1])
-        self.ck._restored = True
+        self.host.apply_plan(plans[-1])
+        self.host.restored = True
         for name, state in states.items():
             restoring.load_object(name, sharded[name], state)
         return self._done_restoring()
 
 
-def choose(ck: Checkpointer) -> Strategy:
-    """The strategy for ``ck`` now: sharded objects make it :class:`Sharded`, a process group
-    of more than one process :class:`DataParallel`, else :class:`OneProcess`."""
+def choose(host: Host) -> Strategy:
+    """The strategy for the Checkpointer behind ``host`` now: sharded objects make it
+    :class:`Sharded`, a process group of more than one process :class:`DataParallel`, else
+    :class:`OneProcess`."""
     group = distributed.current()
-    if ck._sharded_objects():
-        return Sharded(ck, group or distributed.Solo())
+    if host.sharded_objects():
+        return Sharded(host, group or distributed.Solo())
     if group is not None:
-        return DataParallel(ck, group)
-    return OneProcess(ck, distributed.Solo())
+        return DataParallel(host, group)
+    return OneProcess(host, distributed.Solo())
