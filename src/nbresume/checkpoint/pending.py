@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from nbresume.checkpoint import tensorfile
 from nbresume.checkpoint.format import (
@@ -62,8 +62,22 @@ from nbresume.errors import (
     UsageError,
 )
 
-if TYPE_CHECKING:
-    from nbresume.checkpoint.store import CheckpointStore
+
+class Owner(Protocol):
+    """What a pending checkpoint uses of the store that started it
+    (:class:`~nbresume.checkpoint.store.CheckpointStore`)."""
+
+    backend: Store
+    #: Whether manifests record MD5s too.
+    md5: bool
+    #: The hash of the store's choice (``None``: the default).
+    hash: str | None
+    keep: int | None
+    check_space: bool
+
+    @property
+    def location(self) -> str: ...
+
 
 log = logging.getLogger("nbresume")
 
@@ -84,18 +98,26 @@ class PendingCheckpoint:
     """
 
     def __init__(
-        self, owner: CheckpointStore, step: int, folder: str, *, coordinator: bool = True
+        self,
+        owner: Owner,
+        step: int,
+        folder: str,
+        *,
+        coordinator: bool = True,
+        retain: Callable[[], None] | None = None,
     ) -> None:
         self.step = step
         #: The name of the pending folder in the store (hidden until the commit on POSIX).
         self.folder = folder
         self._owner = owner
         self._backend: Store = owner.backend
+        #: The store's retention, run after the commit (the coordinator's only).
+        self._retention = retain
         self._coordinator = coordinator
         self._entries: dict[str, FileEntry] = {}
         self._written: dict[str, Sequence[bytes | memoryview]] = {}
         #: The hash of every file written here (the store's choice, else the default).
-        self.hash = default_hash(getattr(owner, "hash", None))
+        self.hash = default_hash(owner.hash)
         self._state = "open"
         #: Where a store shows the checkpoint only once the commit renames its folder into
         #: place (POSIX), files are made durable in the background while the next ones and
@@ -110,7 +132,13 @@ class PendingCheckpoint:
 
     @classmethod
     def start(
-        cls, owner: CheckpointStore, step: int, *, size: int | None = None, files: int = 0
+        cls,
+        owner: Owner,
+        step: int,
+        *,
+        size: int | None = None,
+        files: int = 0,
+        retain: Callable[[], None] | None = None,
     ) -> PendingCheckpoint:
         """Clean up after a killed writer, check the space ``size`` bytes in ``files`` files
         need (when given), and create the pending folder."""
@@ -123,7 +151,7 @@ class PendingCheckpoint:
         except OSError as exc:
             # Cleaning up, and creating the folder, fail too on a full or failing disk.
             raise storage_error(owner, exc, needed, inodes) from exc
-        return cls(owner, step, folder)
+        return cls(owner, step, folder, retain=retain)
 
     def __repr__(self) -> str:
         return f"PendingCheckpoint(step={self.step}, {self.location!r}, {self._state})"
@@ -333,8 +361,10 @@ class PendingCheckpoint:
     # -- helpers ------------------------------------------------------------------------
 
     def _retain(self) -> None:
+        if self._retention is None:
+            return
         try:
-            self._owner._prune(verify_kept=False)  # the removal of the files goes on after
+            self._retention()  # the removal of the files goes on after
         except OSError as exc:
             # The checkpoint is saved and verified; failing the save now would report a saved
             # checkpoint as lost. The old one stays until the next save's retention.
@@ -497,7 +527,7 @@ def _file_size(path: Path) -> int:
         return 0
 
 
-def check_space(owner: CheckpointStore, needed: int, inodes: int) -> None:
+def check_space(owner: Owner, needed: int, inodes: int) -> None:
     """Refuse a checkpoint that would not fit, with both numbers and the fix."""
     free = owner.backend.free_space()
     if free.bytes is not None and free.bytes < needed:
@@ -519,7 +549,7 @@ def check_space(owner: CheckpointStore, needed: int, inodes: int) -> None:
         )
 
 
-def _space_fix(owner: CheckpointStore) -> str:
+def _space_fix(owner: Owner) -> str:
     keep = "" if owner.keep is None else f" (now {owner.keep})"
     return (
         f"free space there, lower keep={keep} so fewer checkpoints are kept, "
@@ -527,9 +557,7 @@ def _space_fix(owner: CheckpointStore) -> str:
     )
 
 
-def storage_error(
-    owner: CheckpointStore, exc: OSError, needed: int, inodes: int
-) -> CheckpointError:
+def storage_error(owner: Owner, exc: OSError, needed: int, inodes: int) -> CheckpointError:
     """The error to raise for an OSError while a checkpoint was written."""
     if exc.errno in _NO_SPACE:
         space = owner.backend.free_space()

@@ -129,7 +129,7 @@ class CheckpointStore:
         first (with ``check_space``). Cleans up what a killed writer left before it starts.
         """
         self.protected -= {step}  # replaced by this writer: its own from now on
-        return PendingCheckpoint.start(self, step, size=size, files=files)
+        return PendingCheckpoint.start(self, step, size=size, files=files, retain=self._retain)
 
     def join(self, step: int, folder: str) -> PendingCheckpoint:
         """A handle on the pending ``folder`` that another process began for ``step`` (a rank
@@ -310,6 +310,11 @@ class CheckpointStore:
         deleted = self._prune(keep, keep_best, verify_kept=verify_kept)
         self.wait_removals()
         return deleted
+
+    def _retain(self) -> None:
+        """Retention after a commit, handed to the pending checkpoint: the checkpoints kept
+        are not read back again (each was verified when it was written)."""
+        self._prune(verify_kept=False)
 
     def _prune(
         self,
