@@ -329,8 +329,10 @@ class WriterLease:
         )
         ahead = holder.renewed - time.time()
         if not here and ahead > FUTURE_TOLERANCE_S:
+            # To the minute: the lease was renewed a moment ago, so the seconds are noise.
+            skew = format_duration(round(ahead / 60) * 60)
             fix += (
-                f". That machine's clock is {format_duration(ahead)} ahead of this one's: set "
+                f". That machine's clock is {skew} ahead of this one's: set "
                 "it right. If that machine is gone, a writer started after it stopped renewing "
                 f"its lease takes over within {holder.expiry_s:.0f} s"
             )
