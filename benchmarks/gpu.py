@@ -62,7 +62,9 @@ SETTINGS: dict[str, Any] = {
 }
 SAVES = ("raw limit", "nbresume", "DCP", "safetensors", "torch.save")
 ASYNC = ("nbresume async", "DCP async")
-RESTORES = ("raw limit", "nbresume", "DCP", "safetensors", "torch.load")
+#: "nbresume, direct": NBRESUME_GPU_DIRECT_READ=1 (the tensor files read onto the GPU through
+#: pinned buffers), off by default until the GPU suite has run it.
+RESTORES = ("raw limit", "nbresume", "nbresume, direct", "DCP", "safetensors", "torch.load")
 BEGIN = "<!-- gpu:begin (written by python -m benchmarks --gpu; edit around it) -->"
 END = "<!-- gpu:end -->"
 PAGES = ("gpu.md", "gpu.json")
@@ -240,9 +242,10 @@ def restore(tool: str, folder: Path, model: Any, optimizer: Any) -> None:
     """``tool``'s restore of ``folder`` into the model and optimizer on the GPU."""
     import torch
 
-    if tool == "nbresume":
+    if tool in ("nbresume", "nbresume, direct"):
         import nbresume
 
+        os.environ["NBRESUME_GPU_DIRECT_READ"] = "1" if tool == "nbresume, direct" else "0"
         with nbresume.Checkpointer(folder, every=None, deadline=None, model=model,
                                    optimizer=optimizer) as checkpointer:  # fmt: skip
             if checkpointer.restore() == 0:
@@ -476,7 +479,8 @@ def run(scratch: Path, command: str, log: Callable[[str], None]) -> dict[str, An
                 if tool in errors or left() < 90:
                     continue
                 log(f"gpu: restore {rep + 1} of {SETTINGS['reps']}: {tool}")
-                where = folder / tool.replace(" ", "-").replace("torch.load", "torch.save")
+                saved_by = {"torch.load": "torch.save", "nbresume, direct": "nbresume"}
+                where = folder / saved_by.get(tool, tool).replace(" ", "-")
                 answer = call("restore", {**SETTINGS, "tool": tool, "folder": str(where)},
                               timeout=min(90, left() - 70))  # fmt: skip
                 if "error" in answer:

@@ -123,6 +123,13 @@ HASH = Knob(
     "the hash of new checkpoints: xxh3-128 (format v1.1) or sha256 (format v1); default: "
     "xxh3-128 where the xxhash package is installed",
 )
+GPU_DIRECT_READ = Knob(
+    "NBRESUME_GPU_DIRECT_READ",
+    "0",
+    "1: a restore into a model or optimizer on one GPU reads its tensor file onto the GPU "
+    "through a few pinned buffers (less host memory); 0 (default, until it has run on a GPU "
+    "in the GPU suite): through host memory",
+)
 
 #: Every knob, by variable name.
 KNOBS: dict[str, Knob] = {
@@ -148,6 +155,7 @@ KNOBS: dict[str, Knob] = {
         CHECK_DIR,
         STOP_AT_STEP,
         SAVE_EVERY,
+        GPU_DIRECT_READ,
         HASH,
     )
 }
@@ -177,6 +185,16 @@ def strict() -> bool | None:
     if value in ("0", "false", "no", "off"):
         return False
     raise _bad(STRICT, value, "1 or 0")
+
+
+def gpu_direct_read() -> bool:
+    """Whether NBRESUME_GPU_DIRECT_READ turns on reading tensor files straight onto a GPU."""
+    value = GPU_DIRECT_READ.raw().strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise _bad(GPU_DIRECT_READ, value, "1 or 0")
 
 
 def kaggle_root() -> Path:

@@ -35,6 +35,7 @@ def test_a_gpu_model_is_restored_onto_the_gpu_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(reading, "DEVICE_PIECE", 1 << 16)  # many pieces through the ring
+    monkeypatch.setenv("NBRESUME_GPU_DIRECT_READ", "1")
     model, optimizer = trained(0)
     with Checkpointer(tmp_path, every=None, deadline=None, model=model, optimizer=optimizer) as ck:
         ck.save(2)

@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from nbresume import knobs
 from nbresume.checkpoint import param_groups
 from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.snapshot import STATE_FILE
@@ -309,9 +310,12 @@ def devices(objects: Mapping[str, Any]) -> dict[str, Any]:
     device, mapped to that device: a restore reads those files straight onto it
     (:class:`~nbresume.checkpoint.reading.DeviceReader`) rather than into host memory as
     large as the file, then copied. Objects on the host, spread over devices, or of other
-    kinds are read into host memory as before."""
+    kinds are read into host memory as before.
+
+    Only with NBRESUME_GPU_DIRECT_READ=1: this read has not yet run on a GPU in the GPU suite
+    (``tests/gpu/test_device_restore.py``); until it has, restores go through host memory."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
+    if torch is None or not knobs.gpu_direct_read() or not torch.cuda.is_available():
         return {}
     out: dict[str, Any] = {}
     for name, obj in objects.items():
