@@ -493,7 +493,11 @@ class FakeKaggle:
             "CUDA_VISIBLE_DEVICES": "",
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
+            # The machine's own /tmp: what a run cut by the session cap leaves there (the
+            # kernel's connection file papermill made) goes with the test's folder.
+            "TMPDIR": str(version.machine / "tmp"),
         }
+        (version.machine / "tmp").mkdir(parents=True, exist_ok=True)
         paths = [str(self.sitecustomize_dir)] if self.sitecustomize_dir is not None else []
         if self.sitecustomize_dir is not None:
             for name in ("NBRESUME_TEST_NET_LOG",):
