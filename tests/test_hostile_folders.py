@@ -37,9 +37,9 @@ LIMIT = 3 << 30
 TIMEOUT = 60
 
 
-def bounded(*ops: tuple[str, str | Path], peak_below: int | None = None) -> list[dict[str, Any]]:
-    """Run ``ops`` (operation, argument) in a child of bounded memory and time; their reports.
-    ``peak_below``: the most resident memory the child may have used at its peak."""
+def run_child(*ops: tuple[str, str | Path]) -> dict[str, Any]:
+    """Run ``ops`` (operation, argument) in a child of bounded memory and time; its report:
+    ``reports`` (one per operation) and ``peak`` (the most resident memory it used)."""
     argv = [str(part) for op in ops for part in op]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
     env["PYTHONPATH"] = os.pathsep.join(
@@ -55,7 +55,14 @@ def bounded(*ops: tuple[str, str | Path], peak_below: int | None = None) -> list
     output = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, output
     assert "Traceback" not in done.stdout + done.stderr, output
-    report = json.loads(done.stdout.splitlines()[-1])
+    report: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return report
+
+
+def bounded(*ops: tuple[str, str | Path], peak_below: int | None = None) -> list[dict[str, Any]]:
+    """The reports of ``ops`` run in a bounded child (:func:`run_child`); ``peak_below``: the
+    most resident memory the child may have used at its peak."""
+    report = run_child(*ops)
     if peak_below is not None:
         assert report["peak"] < peak_below, report["peak"]
     reports: list[dict[str, Any]] = report["reports"]
@@ -449,30 +456,11 @@ def test_pull_fails_a_source_checkpoint_missing_a_file_instead_of_calling_it_del
     assert "OK    000000000010" in pulled["out"]
 
 
-def peak_of(*ops: tuple[str, str | Path]) -> int:
-    """The peak resident memory of a child that ran ``ops`` (see :func:`bounded`)."""
-    argv = [str(part) for op in ops for part in op]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(CHILD.parent.parent / "src"), env.get("PYTHONPATH", "")]
-    )
-    done = subprocess.run(
-        [sys.executable, str(CHILD), str(LIMIT), *argv],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=env,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    peak: int = json.loads(done.stdout.splitlines()[-1])["peak"]
-    return peak
-
-
 def test_pull_copies_a_run_log_of_gigabytes_in_bounded_memory(run: Path, tmp_path: Path) -> None:
     # The same pull without the log first: what the child itself takes (torch, nbresume, the
     # checkpoints) varies with the machine. Read whole, the log would add its gigabyte; read
     # in pieces, a few megabytes (the margin allows for the allocator's noise).
-    without_log = peak_of(("pull", f"{run}:{tmp_path / 'baseline'}"))
+    without_log: int = run_child(("pull", f"{run}:{tmp_path / 'baseline'}"))["peak"]
     log = run / "nbresume-run.log"
     with open(log, "wb") as handle:  # sparse: costs no disk to make
         handle.truncate(1 << 30)
