@@ -48,8 +48,9 @@ if not __package__:  # run as a script: the repository's root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import ROOT, evict, file_system, fsync_path, load_average, machine
 
-#: The whole suite's wall-clock budget (the call must end within 8 minutes).
-BUDGET_S = 450.0
+#: The whole suite's wall-clock budget (the call must end within 8 minutes);
+#: ``NBRESUME_GPU_BENCH_BUDGET_S`` sets a shorter one where the GPU is lent for less.
+BUDGET_S = float(os.environ.get("NBRESUME_GPU_BENCH_BUDGET_S", "450"))
 SETTINGS: dict[str, Any] = {
     "width": 4096,
     "layers": 10,  # 10 x 201 MB: about 2 GB of weights and AdamW state

@@ -125,10 +125,10 @@ HASH = Knob(
 )
 GPU_DIRECT_READ = Knob(
     "NBRESUME_GPU_DIRECT_READ",
-    "0",
-    "1: a restore into a model or optimizer on one GPU reads its tensor file onto the GPU "
-    "through a few pinned buffers (less host memory); 0 (default, until it has run on a GPU "
-    "in the GPU suite): through host memory",
+    "1",
+    "1 (default): a restore into a model or optimizer on one GPU reads its tensor file onto "
+    "the GPU through a few pinned buffers (faster, less host memory); 0: through host memory "
+    "as large as the file, then copied",
 )
 
 #: Every knob, by variable name.

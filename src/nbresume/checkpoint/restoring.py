@@ -312,8 +312,8 @@ def devices(objects: Mapping[str, Any]) -> dict[str, Any]:
     large as the file, then copied. Objects on the host, spread over devices, or of other
     kinds are read into host memory as before.
 
-    Only with NBRESUME_GPU_DIRECT_READ=1: this read has not yet run on a GPU in the GPU suite
-    (``tests/gpu/test_device_restore.py``); until it has, restores go through host memory."""
+    NBRESUME_GPU_DIRECT_READ=0 turns this off (restores then go through host memory); the GPU
+    suite runs it (``tests/gpu/test_device_restore.py`` and every resume check)."""
     torch = sys.modules.get("torch")
     if torch is None or not knobs.gpu_direct_read() or not torch.cuda.is_available():
         return {}
