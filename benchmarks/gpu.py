@@ -55,7 +55,7 @@ SETTINGS: dict[str, Any] = {
     "width": 4096,
     "layers": 10,  # 10 x 201 MB: about 2 GB of weights and AdamW state
     "loop_layers": 5,  # about 1 GB
-    "reps": 3,
+    "reps": int(os.environ.get("NBRESUME_GPU_BENCH_REPS", "3")),
     "step_ms": 35.0,
     "every": 40,
     "segment_steps": 160,
@@ -63,9 +63,15 @@ SETTINGS: dict[str, Any] = {
 }
 SAVES = ("raw limit", "nbresume", "DCP", "safetensors", "torch.save")
 ASYNC = ("nbresume async", "DCP async")
-#: "nbresume, direct": NBRESUME_GPU_DIRECT_READ=1 (the tensor files read onto the GPU through
-#: pinned buffers), off by default until the GPU suite has run it.
-RESTORES = ("raw limit", "nbresume", "nbresume, direct", "DCP", "safetensors", "torch.load")
+#: "nbresume" reads the tensor files straight onto the GPU through pinned buffers (the
+#: default); "nbresume, via host": NBRESUME_GPU_DIRECT_READ=0, through host memory.
+RESTORES = ("raw limit", "nbresume", "nbresume, via host", "DCP", "safetensors", "torch.load")
+#: Tools left out (``NBRESUME_GPU_BENCH_SKIP=DCP,torch.save``: a shorter run where the GPU is
+#: lent for less); a restore is left out with the save it reads.
+SKIP = {t.strip() for t in os.environ.get("NBRESUME_GPU_BENCH_SKIP", "").split(",") if t.strip()}
+#: ``NBRESUME_GPU_BENCH_PROFILE=1``: the first restore of each nbresume variant also runs under
+#: cProfile, and its top functions are kept in the results (where the time goes).
+PROFILE = os.environ.get("NBRESUME_GPU_BENCH_PROFILE", "") == "1"
 BEGIN = "<!-- gpu:begin (written by python -m benchmarks --gpu; edit around it) -->"
 END = "<!-- gpu:end -->"
 PAGES = ("gpu.md", "gpu.json")
@@ -243,10 +249,10 @@ def restore(tool: str, folder: Path, model: Any, optimizer: Any) -> None:
     """``tool``'s restore of ``folder`` into the model and optimizer on the GPU."""
     import torch
 
-    if tool in ("nbresume", "nbresume, direct"):
+    if tool in ("nbresume", "nbresume, via host"):
         import nbresume
 
-        os.environ["NBRESUME_GPU_DIRECT_READ"] = "1" if tool == "nbresume, direct" else "0"
+        os.environ["NBRESUME_GPU_DIRECT_READ"] = "0" if tool == "nbresume, via host" else "1"
         with nbresume.Checkpointer(folder, every=None, deadline=None, model=model,
                                    optimizer=optimizer) as checkpointer:  # fmt: skip
             if checkpointer.restore() == 0:
@@ -312,24 +318,30 @@ def newest(folder: Path) -> Path:
 # -- the parts, each in a child process --------------------------------------------------------
 
 
+def active(tools: tuple[str, ...]) -> tuple[str, ...]:
+    """``tools`` less those left out (:data:`SKIP`), with the saves they read."""
+    reads = {"torch.load": "torch.save", "nbresume, via host": "nbresume"}
+    return tuple(t for t in tools if t not in SKIP and reads.get(t) not in SKIP)
+
+
 def child_saves(args: dict[str, Any]) -> dict[str, Any]:
     """Every tool's save (and the asynchronous ones' blocked and durable times), tools
     interleaved in each repetition; the last save of each tool is left for the restores."""
     model, optimizer = build(args["layers"], args["width"])
     root = Path(args["folder"])
     saves = Saves(root, model, optimizer)
-    times: dict[str, list[float]] = {tool: [] for tool in SAVES}
-    blocked: dict[str, list[float]] = {tool: [] for tool in ASYNC}
-    done: dict[str, list[float]] = {tool: [] for tool in ASYNC}
+    times: dict[str, list[float]] = {tool: [] for tool in active(SAVES)}
+    blocked: dict[str, list[float]] = {tool: [] for tool in active(ASYNC)}
+    done: dict[str, list[float]] = {tool: [] for tool in active(ASYNC)}
     try:
         for rep in range(args["reps"]):
             step = rep + 1
-            for tool in SAVES:
+            for tool in active(SAVES):
                 saves.clear(tool, step - 1)
                 started = time.perf_counter()
                 saves.save(tool, step)
                 times[tool].append(time.perf_counter() - started)
-            for tool in ASYNC:
+            for tool in active(ASYNC):
                 started = time.perf_counter()
                 saves.save(tool, step)
                 blocked[tool].append(time.perf_counter() - started)
@@ -342,26 +354,54 @@ def child_saves(args: dict[str, Any]) -> dict[str, Any]:
             "async_durable": done}  # fmt: skip
 
 
+def preload(tool: str) -> None:
+    """Import what ``tool``'s restore uses before the clock starts: a run resumes in a process
+    that has imported its checkpoint library already (its first cell, its script's top)."""
+    if tool.startswith("nbresume"):
+        import nbresume  # noqa: F401
+    elif tool == "DCP":
+        import torch.distributed.checkpoint
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+    elif tool == "safetensors":
+        import safetensors.torch  # noqa: F401
+
+
 def child_restore(args: dict[str, Any]) -> dict[str, Any]:
     """One restore, cold, in this fresh process; checked against the saved weights."""
     import torch
 
     model, optimizer = build(args["layers"], args["width"], seed=1, stepped=False)
     folder = Path(args["folder"])
+    preload(args["tool"])
     evict(folder)
+    profiler = None
+    if args.get("profile"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     started = time.perf_counter()
     try:
         restore(args["tool"], folder, model, optimizer)
         seconds = time.perf_counter() - started
     except _Timed as timed:
         return {"seconds": timed.seconds}
+    profile = ""
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+        profile = text.getvalue()
     expected, _ = build(args["layers"], args["width"])
     for key, value in expected.state_dict().items():
         if not torch.equal(model.state_dict()[key], value):
             return {"error": f"{args['tool']}: {key} differs after the restore"}
     if not optimizer.state:
         return {"error": f"{args['tool']}: the optimizer has no state after the restore"}
-    return {"seconds": seconds}
+    return {"seconds": seconds, "profile": profile} if profile else {"seconds": seconds}
 
 
 def child_loop(args: dict[str, Any]) -> dict[str, Any]:
@@ -399,7 +439,9 @@ def child_loop(args: dict[str, Any]) -> dict[str, Any]:
                                          optimizer=optimizer)  # fmt: skip
     plain: list[float] = []
     saving: list[float] = []
+    spill: list[float] = []
     count = 0
+    every = args["every"]
     try:
         for pair in range(args["pairs"]):
             for with_saves in (pair % 2 == 0, pair % 2 == 1):
@@ -408,17 +450,23 @@ def child_loop(args: dict[str, Any]) -> dict[str, Any]:
                 for index in range(args["segment_steps"]):
                     step(inputs)
                     count += 1
-                    if with_saves and index % args["every"] == args["every"] - 1:
+                    # Saves in the middle of each interval of ``every`` steps: the segment
+                    # holds as many as a long run does, and its last one has half an
+                    # interval to finish before the segment ends.
+                    if with_saves and index % every == every // 2 - 1:
                         checkpointer.save(count)
-                if with_saves:
-                    checkpointer.wait()
                 sync()
                 (saving if with_saves else plain).append(time.perf_counter() - started)
+                if with_saves:  # outside the clock: what the last save had left to do
+                    waited = time.perf_counter()
+                    checkpointer.wait()
+                    spill.append(time.perf_counter() - waited)
     finally:
         checkpointer.close()
     overhead = statistics.median(saving) / statistics.median(plain) - 1
     return {"batch": batch, "step_s": step_s, "state_bytes": state_bytes(model, optimizer),
-            "plain_s": plain, "with_s": saving, "overhead": overhead}  # fmt: skip
+            "plain_s": plain, "with_s": saving, "spill_s": spill,
+            "overhead": overhead}  # fmt: skip
 
 
 CHILDREN: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -474,21 +522,26 @@ def run(scratch: Path, command: str, log: Callable[[str], None]) -> dict[str, An
                                      timeout=min(200, left() - 120))  # fmt: skip
     restores: dict[str, list[float]] = {tool: [] for tool in RESTORES}
     errors: dict[str, str] = {}
+    profiles: dict[str, str] = {}
     if "error" not in results["parts"]["saves"]:
         for rep in range(SETTINGS["reps"]):
-            for tool in RESTORES:
+            for tool in active(RESTORES):
                 if tool in errors or left() < 90:
                     continue
                 log(f"gpu: restore {rep + 1} of {SETTINGS['reps']}: {tool}")
-                saved_by = {"torch.load": "torch.save", "nbresume, direct": "nbresume"}
+                saved_by = {"torch.load": "torch.save", "nbresume, via host": "nbresume"}
                 where = folder / saved_by.get(tool, tool).replace(" ", "-")
-                answer = call("restore", {**SETTINGS, "tool": tool, "folder": str(where)},
+                profile = PROFILE and rep == 0 and tool.startswith("nbresume")
+                answer = call("restore", {**SETTINGS, "tool": tool, "folder": str(where),
+                                          "profile": profile},
                               timeout=min(90, left() - 70))  # fmt: skip
                 if "error" in answer:
                     errors[tool] = answer["error"]
+                elif "profile" in answer:
+                    profiles[tool] = answer["profile"]  # its time is the profiler's too
                 else:
                     restores[tool].append(answer["seconds"])
-    results["parts"]["restore"] = {"seconds": restores, "errors": errors}
+    results["parts"]["restore"] = {"seconds": restores, "errors": errors, "profiles": profiles}
     shutil.rmtree(folder, ignore_errors=True)
     if left() > 40:
         log("gpu: loop overhead, asynchronous saves every 40 steps")
@@ -534,12 +587,12 @@ def render(results: dict[str, Any]) -> list[str]:
             "",
             "| tool | until durable | / raw limit |",
             "|---|---:|---:|",
-            *(f"| {tool} | {_s(save[tool])} | {_x(save[tool], limit)} |" for tool in SAVES),
+            *(f"| {tool} | {_s(save[tool])} | {_x(save[tool], limit)} |" for tool in save),
             "",
             "| asynchronous | blocked | / raw limit | until durable | / raw limit |",
             "|---|---:|---:|---:|---:|",
         ]
-        for tool in ASYNC:
+        for tool in saves["async_blocked"]:
             block, done = (
                 _median(saves["async_blocked"][tool]),
                 _median(saves["async_durable"][tool]),
@@ -559,7 +612,7 @@ def render(results: dict[str, Any]) -> list[str]:
             "| tool | restore | / raw limit | / fastest other loader |",
             "|---|---:|---:|---:|",
         ]
-        for tool in RESTORES:
+        for tool in active(RESTORES):
             value = seconds.get(tool)
             cell = restore["errors"].get(tool, "")[:120] if value is None else ""
             lines.append(f"| {tool} | {_s(value) if value else cell or '—'} | "
@@ -577,7 +630,9 @@ def render(results: dict[str, Any]) -> list[str]:
             f"{SETTINGS['every']} steps: segments of {SETTINGS['segment_steps']} steps "
             f"without nbresume took {_s(_median(loop['plain_s']))}, with it "
             f"{_s(_median(loop['with_s']))} (medians of {len(loop['plain_s'])}): "
-            f"**{loop['overhead'] * 100:.1f} %** overhead.",
+            f"**{loop['overhead'] * 100:.1f} %** overhead. The saves fall in the middle of "
+            f"each interval; after a segment, the last save still had "
+            f"{_s(_median(loop.get('spill_s') or [0.0]))} of work left (not timed).",
             "",
         ]
     return lines

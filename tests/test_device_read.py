@@ -6,6 +6,8 @@ tests/gpu)."""
 
 from __future__ import annotations
 
+import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint import reading, restoring
+from nbresume.checkpoint.hashing import Digests
 from nbresume.errors import NoCheckpointError
 
 CPU = torch.device("cpu")
@@ -108,3 +111,63 @@ def test_a_checkpointer_restore_through_the_device_path_is_exact(
         for key, value in state.items():
             assert torch.equal(again[key], value), (index, key)
             assert again[key].device == value.device, (index, key)
+
+
+class Handle(io.BytesIO):
+    """A file whose reads are recorded, one of them failing where asked; a read after the
+    reader returned is a read of a closed file."""
+
+    def __init__(self, data: bytes, *, fail_at: int | None = None) -> None:
+        super().__init__(data)
+        self.reads = 0
+        self.fail_at = fail_at
+
+    def readinto(self, buffer: Any) -> int:
+        self.reads += 1
+        if self.reads == self.fail_at:
+            raise OSError(5, "Input/output error")
+        return super().readinto(buffer)
+
+
+def digests() -> Digests:
+    return Digests(md5=False, threaded=False)
+
+
+def test_the_reader_reads_every_piece_in_order_through_the_ring() -> None:
+    data = bytes(range(256)) * 200  # 51200 bytes: 13 pieces of 4096 through a ring of 4
+    handle = Handle(data[100:])
+    head = memoryview(bytearray(len(data)))
+    head[:100] = data[:100]
+    target, size = reading.DeviceReader().read(handle, head, 100, digests(), CPU)  # type: ignore[misc]
+    assert size == len(data)
+    assert bytes(target.numpy()) == data
+
+
+def test_a_read_error_in_the_reader_reaches_the_caller_and_stops_the_reader() -> None:
+    data = bytes(51200)
+    handle = Handle(data, fail_at=3)
+    head = memoryview(bytearray(len(data)))
+    with pytest.raises(OSError, match="Input/output"):
+        reading.DeviceReader().read(handle, head, 0, digests(), CPU)
+    handle.close()  # a read after this one returned would raise in the reader's thread
+    assert handle.reads == 3
+
+
+def test_a_caller_that_stops_early_stops_the_reader_before_it_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = bytes(51200)
+    handle = Handle(data)
+    head = memoryview(bytearray(len(data)))
+
+    class Failing(Digests):
+        def update(self, data: Any) -> None:
+            raise KeyboardInterrupt  # Ctrl-C while a piece is hashed
+
+    with pytest.raises(KeyboardInterrupt):
+        reading.DeviceReader().read(handle, head, 0, Failing(md5=False, threaded=False), CPU)
+    reads = handle.reads
+    assert reads <= reading.DEVICE_BUFFERS + 1  # never more than the ring ahead
+    handle.close()
+    time.sleep(0.05)
+    assert handle.reads == reads  # nothing read after the caller returned

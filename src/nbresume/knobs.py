@@ -130,6 +130,13 @@ GPU_DIRECT_READ = Knob(
     "the GPU through a few pinned buffers (faster, less host memory); 0: through host memory "
     "as large as the file, then copied",
 )
+GPU_SNAPSHOT = Knob(
+    "NBRESUME_GPU_SNAPSHOT",
+    "1",
+    "1 (default): an asynchronous save first copies GPU tensors into GPU memory (a fraction "
+    "of a millisecond per GB), then to the host while training goes on, where the training's "
+    "peak memory leaves room for that copy; 0: straight to the host, training waiting for it",
+)
 
 #: Every knob, by variable name.
 KNOBS: dict[str, Knob] = {
@@ -156,6 +163,7 @@ KNOBS: dict[str, Knob] = {
         STOP_AT_STEP,
         SAVE_EVERY,
         GPU_DIRECT_READ,
+        GPU_SNAPSHOT,
         HASH,
     )
 }
@@ -195,6 +203,17 @@ def gpu_direct_read() -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise _bad(GPU_DIRECT_READ, value, "1 or 0")
+
+
+def gpu_snapshot() -> bool:
+    """Whether NBRESUME_GPU_SNAPSHOT lets an asynchronous save copy GPU tensors on the GPU
+    first."""
+    value = GPU_SNAPSHOT.raw().strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise _bad(GPU_SNAPSHOT, value, "1 or 0")
 
 
 def kaggle_root() -> Path:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -137,8 +138,11 @@ def test_the_async_snapshot_uses_pinned_buffers_and_saves_the_step_it_copied(
     tmp_path: Path,
 ) -> None:
     model = nn.Linear(256, 256).cuda()
-    copied = snapshot.HostBuffers().copy({"model": dict(model.state_dict())})
+    copied, landed = snapshot.HostBuffers().copy({"model": dict(model.state_dict())})
+    landed()
     assert all(t.is_pinned() for t in copied["model"].values())
+    for key, value in model.state_dict().items():
+        assert torch.equal(copied["model"][key], value.cpu()), key
     ckpt = Checkpointer(tmp_path, every=None, deadline=None, async_save=True, quiet=True,
                         model=model)  # fmt: skip
     ckpt.save()  # returns once copied to host memory
@@ -161,7 +165,8 @@ def test_without_pinned_memory_the_snapshot_is_still_right(
     # first failure sets.
     monkeypatch.setattr(snapshot, "_PINNING_FAILED", ["cudaHostAlloc failed"])
     model = nn.Linear(64, 64).cuda()
-    copied = snapshot.HostBuffers().copy({"model": dict(model.state_dict())})
+    copied, landed = snapshot.HostBuffers().copy({"model": dict(model.state_dict())})
+    landed()
     assert not any(t.is_pinned() for t in copied["model"].values())
     ckpt = Checkpointer(tmp_path, every=None, deadline=None, async_save=True, quiet=True,
                         model=model)  # fmt: skip
@@ -221,3 +226,57 @@ def test_the_preflight_reads_this_gpu(tmp_path: Path) -> None:
     assert "free of" in checks["gpu memory"]["seen"]
     assert "SM clock" in checks["gpu health"]["seen"]
     assert "last bits" in checks["determinism"]["seen"]
+
+
+def gpu_copy_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, stash: bool) -> None:
+    """An async save of a CUDA model, training changing it on the GPU as soon as save()
+    returns: the checkpoint holds the state of the step saved, through a copy on the GPU
+    first (``stash``) or straight to the host; the GPU copy's memory is given back."""
+    taken: list[bool] = []
+    real = snapshot._stash
+
+    def recorded(device: Any, sources: list[Any]) -> Any:
+        out = real(device, sources)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(snapshot, "_stash", recorded)
+    if not stash:
+        monkeypatch.setattr(snapshot, "stash_fits", lambda device, needed: False)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    before = torch.cuda.memory_allocated()
+    ckpt = Checkpointer(tmp_path, every=None, deadline=None, async_save=True, quiet=True,
+                        model=model)  # fmt: skip
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    ckpt.save()
+    with torch.no_grad():  # queued right behind the save's copy in the same stream
+        for _ in range(20):
+            for parameter in model.parameters():
+                parameter.mul_(1.01).add_(1.0)
+    ckpt.wait()
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")  # the allocator takes back what the copy's stream freed
+    assert taken == [stash]
+    assert torch.cuda.memory_allocated() == before  # the copy on the GPU was let go
+    ckpt.close()
+    fresh = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    again = Checkpointer(tmp_path, every=None, deadline=None, quiet=True, model=fresh)
+    again.restore()
+    again.close()
+    for key, value in expected.items():
+        assert torch.equal(fresh.state_dict()[key].cpu(), value), key
+
+
+@requires_cuda
+def test_an_async_save_copies_on_the_gpu_first_and_holds_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu_copy_test(tmp_path, monkeypatch, stash=True)
+
+
+@requires_cuda
+def test_without_room_on_the_gpu_an_async_save_copies_to_the_host_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu_copy_test(tmp_path, monkeypatch, stash=False)

@@ -30,11 +30,12 @@ import errno
 import itertools
 import json
 import os
+import queue
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import IO, Any
 
-from nbresume.checkpoint import lightning_format, tensorfile
+from nbresume.checkpoint import lightning_format, tensorfile, workers
 from nbresume.checkpoint import state as state_document
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
@@ -339,11 +340,12 @@ DEVICE_BUFFERS = 4
 
 class DeviceReader:
     """Reads the rest of a file into a byte tensor on a device through a ring of a few host
-    buffers: each piece is read into the next buffer and hashed while the pieces before it
-    are copied to the device (from pinned memory, on a stream of its own, for CUDA), so that
-    reading, hashing and copying overlap and the host memory used is the ring's whatever the
-    size of the file. The ring and the stream are made at the first read and kept for the
-    next files of the same restore."""
+    buffers. A reader thread fills the buffers from the file, one piece after another, so
+    that the disk never waits; the caller hashes each piece and copies it to the device (from
+    pinned memory, on a stream of its own, for CUDA) while the next pieces are read. A buffer
+    is filled again only once its last copy is on the device. The host memory used is the
+    ring's whatever the size of the file. The ring and the stream are made at the first read
+    and kept for the next files of the same restore."""
 
     def __init__(self) -> None:
         self._ring: list[Any] = []
@@ -371,30 +373,79 @@ class DeviceReader:
         if cuda:  # the target's memory may still be in use by work queued before it was free
             self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
-            target[:start].copy_(torch.frombuffer(head, dtype=torch.uint8, count=start))
+            if start:
+                target[:start].copy_(torch.frombuffer(head, dtype=torch.uint8, count=start))
             size = start
-            index = 0
-            while size < target.numel():
-                slot = index % len(self._ring)
-                if self._copied[slot] is not None:
-                    self._copied[slot].synchronize()  # its last piece is on the device
-                piece = self._ring[slot][: min(DEVICE_PIECE, target.numel() - size)]
-                view = memoryview(piece.numpy())
-                count = read_into(handle, view)
-                if count:
-                    digests.update(view[:count])
-                    target[size : size + count].copy_(piece[:count], non_blocking=cuda)
+            with contextlib.closing(self._pieces(handle, start, target.numel())) as pieces:
+                for slot, count in pieces:
+                    piece = self._ring[slot][:count]
+                    digests.update(memoryview(piece.numpy()))
+                    target[size : size + count].copy_(piece, non_blocking=cuda)
                     if cuda:
                         self._copied[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
                         self._copied[slot].record(self._stream)
                     size += count
-                    index += 1
-                if count < piece.numel():
-                    break
         if cuda:
             self._stream.synchronize()  # every byte is on the device before it is used
             self._copied = [None] * len(self._ring)
         return target, size
+
+    def _pieces(self, handle: IO[bytes], start: int, end: int) -> Generator[tuple[int, int]]:
+        """``(buffer, bytes)`` for each piece of the file from ``start`` up to ``end`` (or
+        its end, if sooner), read by a reader thread ahead of the caller into the buffers
+        the caller has handed back by asking for the next piece. Closing it early stops the
+        reader before it returns: the handle is not used after that."""
+        free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        filled: queue.SimpleQueue[tuple[int, int] | BaseException | None] = queue.SimpleQueue()
+        for slot in range(len(self._ring)):
+            free.put(slot)
+
+        def read_ahead() -> None:
+            try:
+                position = start
+                while position < end and (slot := free.get()) is not None:
+                    if self._copied[slot] is not None:
+                        self._copied[slot].synchronize()  # its last piece is on the device
+                    piece = self._ring[slot][: min(DEVICE_PIECE, end - position)]
+                    count = read_into(handle, memoryview(piece.numpy()))
+                    if count:
+                        filled.put((slot, count))
+                        position += count
+                    if count < piece.numel():
+                        break
+                filled.put(None)
+            except BaseException as exc:  # raised in the caller
+                filled.put(exc)
+
+        if not _READERS.submit(read_ahead):  # no thread can start: read in turn
+            for slot in itertools.cycle(range(len(self._ring))):
+                if start >= end:
+                    return
+                piece = self._ring[slot][: min(DEVICE_PIECE, end - start)]
+                count = read_into(handle, memoryview(piece.numpy()))
+                if count:
+                    yield slot, count
+                    start += count
+                if count < piece.numel():
+                    return
+        finished = False
+        try:
+            while (item := filled.get()) is not None:
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                free.put(item[0])  # the caller has hashed it and queued its copy
+            finished = True
+        finally:
+            if not finished:  # the caller stopped early: stop the reader, wait until it has
+                free.put(None)
+                while not isinstance(item := filled.get(), BaseException) and item is not None:
+                    pass
+
+
+#: The reader threads of :class:`DeviceReader` (one read at a time, so one thread).
+_READERS = workers.Workers("nbresume-read", 1)
 
 
 def _host_buffer(pinned: bool) -> Any:

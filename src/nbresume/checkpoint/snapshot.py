@@ -65,6 +65,13 @@ class Snapshot:
         self.state = state
         self.metrics = metrics
         self.live = True
+        #: Waits until the copies of GPU tensors into the host buffers have landed (they run
+        #: on a stream of their own while training goes on: :class:`HostBuffers`).
+        self.landed: Callable[[], None] = _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 def tensor_bytes(tensors: dict[str, dict[str, Any]]) -> int:
@@ -92,23 +99,24 @@ class HostBuffers:
                 needed += 0 if same else int(value.nbytes)
         return needed
 
-    def copy(self, tensors: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def copy(
+        self, tensors: dict[str, dict[str, Any]]
+    ) -> tuple[dict[str, dict[str, Any]], Callable[[], None]]:
+        """Copies of ``tensors`` in the host buffers, and a wait for the copies of GPU tensors
+        to land (:func:`copy_from_gpus`): until it returns, the buffers must not be read."""
         out: dict[str, dict[str, Any]] = {}
-        cuda = False
         pieces = PieceCopy()
+        from_gpu: list[tuple[Any, Any]] = []
         for group, members in tensors.items():
             out[group] = {}
             for key, value in members.items():
-                out[group][key] = self._copy_one((group, key), value, pieces)
-                cuda = cuda or getattr(value, "is_cuda", False)
+                out[group][key] = self._copy_one((group, key), value, pieces, from_gpu)
         pieces.run()
-        if cuda:
-            import torch
+        return out, copy_from_gpus(from_gpu) if from_gpu else _nothing
 
-            torch.cuda.synchronize()  # the non-blocking copies must land before the write
-        return out
-
-    def _copy_one(self, slot: tuple[str, str], value: Any, pieces: PieceCopy) -> Any:
+    def _copy_one(
+        self, slot: tuple[str, str], value: Any, pieces: PieceCopy, from_gpu: list[tuple[Any, Any]]
+    ) -> Any:
         if type(value).__module__.startswith("numpy"):
             import numpy as np
 
@@ -133,9 +141,110 @@ class HostBuffers:
         ):
             buffer = host_buffer(source)  # pinned for a CUDA tensor, when pinning works
             self._buffers[slot] = buffer
-        if not pieces.add(buffer, source):
-            buffer.copy_(source, non_blocking=source.is_cuda)
+        if source.is_cuda:
+            from_gpu.append((buffer, source))
+        elif not pieces.add(buffer, source):
+            buffer.copy_(source)
         return buffer
+
+
+def copy_from_gpus(copies: list[tuple[Any, Any]]) -> Callable[[], None]:
+    """Start the copies of GPU tensors into their host buffers (``(buffer, source)`` pairs)
+    and return a wait for them to land.
+
+    Where the buffers are pinned and the device has room (:func:`stash_fits`), the tensors
+    are first copied within the GPU, in the training's own stream (at the GPU's memory speed:
+    under a millisecond per GB on an H100), then from there to the host on a stream of their
+    own while training goes on: whatever the training does next comes after the first copy
+    in its stream, so the checkpoint holds the state of its step, and training waits only
+    for that first copy. Elsewhere they are copied to the host straight away, and this waits
+    for them (the copy from a GPU into host memory runs at the bus's speed: about 20 ms per
+    GB on a PCIe 5 card, 80 ms on a T4)."""
+    import torch
+
+    from nbresume import knobs
+
+    by_device: dict[Any, list[tuple[Any, Any]]] = {}
+    for buffer, source in copies:
+        by_device.setdefault(source.device, []).append((buffer, source))
+    landings: list[Any] = []
+    for device, pairs in by_device.items():
+        stashed = knobs.gpu_snapshot() and all(
+            buffer.is_pinned() and type(source) is torch.Tensor for buffer, source in pairs
+        )
+        stashes = _stash(device, [source for _, source in pairs]) if stashed else None
+        if stashes is None:
+            for buffer, source in pairs:
+                buffer.copy_(source, non_blocking=True)
+            torch.cuda.current_stream(device).synchronize()  # they land before the write
+            continue
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for (buffer, _), stash in zip(pairs, stashes, strict=True):
+                buffer.copy_(stash, non_blocking=True)
+                stash.record_stream(side)  # its memory is reused only after this copy
+        landed = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        landed.record(side)
+        landings.append(landed)
+    if not landings:
+        return _nothing
+
+    def wait() -> None:
+        for landed in landings:
+            landed.synchronize()
+
+    return wait
+
+
+def _stash(device: Any, sources: list[Any]) -> list[Any] | None:
+    """Copies of ``sources`` in the GPU's memory, queued in the current stream; ``None`` where
+    the device has no room for them (:func:`stash_fits`)."""
+    import torch
+
+    needed = sum(int(source.nbytes) for source in sources)
+    if not stash_fits(device, needed):
+        return None
+    try:
+        stashes = [
+            torch.empty(source.shape, dtype=source.dtype, device=device) for source in sources
+        ]
+    except torch.cuda.OutOfMemoryError:
+        return None
+    for stash, source in zip(stashes, sources, strict=True):
+        stash.copy_(source.detach())
+    return stashes
+
+
+#: Room a copy on the GPU leaves free on top of the training's peak: the larger of these.
+STASH_MARGIN_BYTES = 512 << 20
+STASH_MARGIN_SHARE = 0.05
+
+
+def stash_fits(device: Any, needed: int) -> bool:
+    """Whether a copy of ``needed`` bytes in ``device``'s memory fits beside the training's
+    peak (the most this process has had allocated on it) with a margin, in what this process
+    can hold there (its own reserved memory and the device's free memory): a copy that lives
+    while the next step runs must never make that step run out of memory."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    peak = max(torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device))
+    margin = max(STASH_MARGIN_BYTES, int(STASH_MARGIN_SHARE * total))
+    return peak + needed + margin <= free + reserved
+
+
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _side_stream(device: Any) -> Any:
+    """The stream the copies from the GPU's memory to the host run on, one per device."""
+    import torch
+
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return _SIDE_STREAMS[device]
 
 
 #: The pieces a snapshot's copy is cut into (:class:`PieceCopy`).
@@ -362,7 +471,7 @@ class Saver:
         where that copy fits in memory; where it does not, the snapshot keeps the live
         tensors (it is written now, :meth:`finish`) and the buffers are let go."""
         if self._copy_fits(self.buffers.missing(snapshot.tensors), snapshot.tensors):
-            snapshot.tensors = self.buffers.copy(snapshot.tensors)
+            snapshot.tensors, snapshot.landed = self.buffers.copy(snapshot.tensors)
             snapshot.live = False
         else:
             self.buffers = HostBuffers()  # what an earlier copy held goes back
@@ -373,6 +482,7 @@ class Saver:
         is written, so that a blocking save takes about as long as the write alone, where a
         copy of the whole state to the host first (into fresh, pageable memory: a page fault
         per page, and a copy that cannot overlap the write) would add its own time."""
+        snapshot.landed()  # a background save's copies from the GPU are in its buffers
         return self.commit(
             snapshot.step,
             lambda on_committed: self.store.save(
