@@ -10,8 +10,9 @@ final weights and optimizer state go to ``out`` (``torch.save``, on the CPU). Ki
 - ``shape``: a loop shape of ``tests/train_loop_shapes.py`` with its ``device`` option;
 - ``variant``: one representative loop, a conv net with BatchNorm and dropout over a shuffled
   DataLoader whose dataset augments at random, ``ck.epochs()`` and ``ck.loader()``, in one of
-  :data:`VARIANTS`: fp32, bf16 autocast, fp16 autocast with a GradScaler, two DataLoader
-  workers with pinned memory, a ``torch.compile``d model, channels_last;
+  :data:`VARIANTS`: fp32, bf16 autocast, fp16 autocast with a GradScaler (also saved in
+  the background), two DataLoader workers with pinned memory, a ``torch.compile``d model,
+  channels_last;
 - ``hf``: the Hugging Face Trainer (fp16 on CUDA) with ``nbresume.hf``;
 - ``lightning``: Lightning on the device with ``nbresume.lightning``, checkpoints at epoch ends.
 
@@ -51,7 +52,7 @@ shapes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(shapes)
 
 #: The representative loop's variants.
-VARIANTS = ["fp32", "bf16", "fp16-scaler", "workers-pin", "compile", "channels-last"]
+VARIANTS = ["fp32", "bf16", "fp16-scaler", "async-fp16", "workers-pin", "compile", "channels-last"]
 #: The representative loop: 12 batches per epoch, 2 epochs, a checkpoint every 3 steps.
 VARIANT_EPOCHS, VARIANT_BATCHES, VARIANT_BATCH_SIZE, VARIANT_EVERY = 2, 12, 8, 3
 #: The Trainer: 192 rows in batches of 8 (24 steps an epoch), 48 steps, a save every 4.
@@ -117,9 +118,13 @@ def train_variant(folder: Path, variant: str, device: str, pause: float) -> dict
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
-    half = {"bf16": torch.bfloat16, "fp16-scaler": torch.float16}.get(variant)
+    half = {"bf16": torch.bfloat16, "fp16-scaler": torch.float16, "async-fp16": torch.float16}.get(
+        variant
+    )
     # A short growth interval: the loss scale changes during the run, and must come back.
-    scaler = torch.amp.GradScaler(device, growth_interval=5, enabled=variant == "fp16-scaler")
+    scaler = torch.amp.GradScaler(
+        device, growth_interval=5, enabled=variant in ("fp16-scaler", "async-fp16")
+    )
     workers = 2 if variant == "workers-pin" else 0
     data = DataLoader(
         Images(VARIANT_BATCHES * VARIANT_BATCH_SIZE),
@@ -137,6 +142,9 @@ def train_variant(folder: Path, variant: str, device: str, pause: float) -> dict
         every=VARIANT_EVERY,
         deadline=None,
         deterministic=True,
+        # Saves in the background: a GPU state copied within the GPU first, then to the host
+        # while the next steps change it.
+        async_save=variant == "async-fp16",
         callbacks=[on_verified],
         model=net,
         optimizer=optimizer,
