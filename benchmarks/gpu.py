@@ -520,7 +520,7 @@ def run(scratch: Path, command: str, log: Callable[[str], None]) -> dict[str, An
     log(f"gpu: saves of a {SETTINGS['layers']}-layer state, {SETTINGS['reps']} repetitions")
     results["parts"]["saves"] = call("saves", {**SETTINGS, "folder": str(folder)},
                                      timeout=min(200, left() - 120))  # fmt: skip
-    restores: dict[str, list[float]] = {tool: [] for tool in RESTORES}
+    restores: dict[str, list[float]] = {tool: [] for tool in active(RESTORES)}
     errors: dict[str, str] = {}
     profiles: dict[str, str] = {}
     if "error" not in results["parts"]["saves"]:
@@ -552,6 +552,14 @@ def run(scratch: Path, command: str, log: Callable[[str], None]) -> dict[str, An
     meta["load_after"] = load_average()
     meta["duration_s"] = time.monotonic() - started
     return results
+
+
+def _profiled_seconds(text: str) -> float | None:
+    """The total time of a cProfile report (``... function calls in 1.258 seconds``)."""
+    import re
+
+    found = re.search(r"in ([0-9.]+) seconds", text)
+    return float(found.group(1)) if found else None
 
 
 def _median(values: list[float]) -> float | None:
@@ -597,11 +605,21 @@ def render(results: dict[str, Any]) -> list[str]:
                 _median(saves["async_blocked"][tool]),
                 _median(saves["async_durable"][tool]),
             )
-            lines.append(f"| {tool} | {_s(block)} | {_x(block, limit)} | {_s(done)} | "
-                         f"{_x(done, limit)} |")  # fmt: skip
+            each = ", ".join(f"{v:.3f}" for v in saves["async_blocked"][tool])
+            lines.append(f"| {tool} | {_s(block)} (each: {each}) | {_x(block, limit)} | "
+                         f"{_s(done)} | {_x(done, limit)} |")  # fmt: skip
+        lines.append("")
+        lines.append(
+            "Medians of the repetitions. The first asynchronous save of a run also allocates "
+            "its pinned host buffers (each repetition's blocked time is listed)."
+        )
         lines.append("")
     restore = parts.get("restore", {})
     seconds = {tool: _median(v) for tool, v in restore.get("seconds", {}).items()}
+    profiled = {t: _profiled_seconds(text) for t, text in restore.get("profiles", {}).items()}
+    for tool, value in profiled.items():
+        if seconds.get(tool) is None and value is not None:
+            seconds[tool] = value  # its only run was profiled: said under the table
     if seconds:
         limit = seconds.get("raw limit")
         loaders = [seconds[t] for t in ("safetensors", "torch.load", "DCP") if seconds.get(t)]
@@ -612,11 +630,17 @@ def render(results: dict[str, Any]) -> list[str]:
             "| tool | restore | / raw limit | / fastest other loader |",
             "|---|---:|---:|---:|",
         ]
-        for tool in active(RESTORES):
+        for tool in restore["seconds"]:
             value = seconds.get(tool)
             cell = restore["errors"].get(tool, "")[:120] if value is None else ""
-            lines.append(f"| {tool} | {_s(value) if value else cell or '—'} | "
+            mark = " †" if value is not None and not restore["seconds"].get(tool) else ""
+            lines.append(f"| {tool} | {_s(value) + mark if value else cell or '—'} | "
                          f"{_x(value, limit)} | {_x(value, fastest)} |")  # fmt: skip
+        runs = {len(v) for v in restore.get("seconds", {}).values() if v}
+        lines.append("")
+        lines.append(f"Runs per tool: {'/'.join(map(str, sorted(runs))) or 0} (medians). " + (
+            "† Its only run was under cProfile (`NBRESUME_GPU_BENCH_PROFILE=1`): the "
+            "profiler's own cost is included." if "†" in "".join(lines[-12:]) else ""))  # fmt: skip
         lines.append("")
     loop = parts.get("loop", {})
     if "error" in loop:

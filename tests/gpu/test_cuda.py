@@ -258,7 +258,7 @@ def gpu_copy_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, stash: boo
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")  # the allocator takes back what the copy's stream freed
     assert taken == [stash]
-    assert torch.cuda.memory_allocated() == before  # the copy on the GPU was let go
+    assert torch.cuda.memory_allocated() <= before  # the copy on the GPU was let go
     ckpt.close()
     fresh = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     again = Checkpointer(tmp_path, every=None, deadline=None, quiet=True, model=fresh)
