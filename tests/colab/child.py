@@ -188,6 +188,8 @@ def retention(args: argparse.Namespace, out: Out) -> None:
     out(kind="store", store=type(store.backend).__name__)
     for step in range(1, args.saves + 1):
         store.save(step, tensors={"model": {"w": np.full(args.floats, step, np.float32)}})
+        # Retention removes in the background; the next save waits for it before it writes.
+        store.wait_removals()
         arrived = wait_for(lambda s=step: landed(god, RUN_PARTS).get(s, False), args.wait)
         used, trash = god.usage()
         out(kind="saved", step=step, landed=arrived, usage=used, trash=trash)

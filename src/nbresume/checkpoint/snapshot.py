@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from nbresume import knobs
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe, hooks, reporting
 from nbresume.checkpoint.cadence import Cadence
@@ -161,8 +162,6 @@ def copy_from_gpus(copies: list[tuple[Any, Any]]) -> Callable[[], None]:
     for them (the copy from a GPU into host memory runs at the bus's speed: about 20 ms per
     GB on a PCIe 5 card, 80 ms on a T4)."""
     import torch
-
-    from nbresume import knobs
 
     by_device: dict[Any, list[tuple[Any, Any]]] = {}
     for buffer, source in copies:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nbresume import knobs
-from nbresume.checkpoint import forksafe
+from nbresume.checkpoint import forksafe, removals
 from nbresume.checkpoint.backends.base import (
     FAILED,
     MISSING,
@@ -205,9 +205,10 @@ class DriveStore(LocalStore):
     #: Another VM sees the writer lease only through Drive's sync, which can lag a renewal by
     #: minutes: a lease is stale later than on other stores.
     lease_expiry_s = 300.0
-    #: delete() removes the local copy before it deletes the files through the Drive API (so
-    #: that the quota comes back): both before it returns.
-    remove_in_background = False
+    #: delete() takes the checkpoint out of view before it returns; then, in the background,
+    #: it removes the local copy and deletes its files through the Drive API, so that the
+    #: quota comes back (the next save waits for that before it checks free space).
+    remove_in_background = True
 
     def __init__(
         self,
@@ -381,9 +382,18 @@ class DriveStore(LocalStore):
         self._delete_on_drive(final, replaced)
 
     def delete(self, folder: str) -> None:
+        # Drive knows the files by the name they had: looked up before the rename.
         ids = self._drive_ids(folder)
-        super().delete(folder)
-        self._delete_on_drive(folder, ids)
+        self._check_writer()
+        doomed = self._out_of_view(folder)
+
+        def remove() -> None:
+            try:
+                self.files.remove_tree(doomed)
+            finally:
+                self._delete_on_drive(folder, ids)
+
+        removals.start(remove)
 
     def discard(self, folder: str) -> None:
         ids = self._drive_ids(folder) if (self.root / folder).exists() else []

@@ -279,13 +279,18 @@ class LocalStore(Backend):
         # this returns; the slow removal happens afterwards, in the background, and a kill in
         # the middle of it leaves only a hidden folder that the next recover() removes.
         self._check_writer()
-        doomed = self.root / f"{DELETING_PREFIX}{folder}-{_token()}"
-        self.files.rename(self.root / folder, doomed)
-        self.files.sync_folder(self.root)
+        doomed = self._out_of_view(folder)
         if self.remove_in_background:
             removals.start(functools.partial(self.files.remove_tree, doomed))
         else:
             self.files.remove_tree(doomed)
+
+    def _out_of_view(self, folder: str) -> Path:
+        """Rename ``folder`` to a hidden name that no reader takes, durably; the new path."""
+        doomed = self.root / f"{DELETING_PREFIX}{folder}-{_token()}"
+        self.files.rename(self.root / folder, doomed)
+        self.files.sync_folder(self.root)
+        return doomed
 
     def discard(self, folder: str) -> None:
         self.files.remove_tree(self.root / folder)
