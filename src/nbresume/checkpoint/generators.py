@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from nbresume.checkpoint.state import check_mt19937_position
+
 
 def is_generator(value: Any) -> bool:
     """Whether ``value`` is a random generator whose state nbresume can save."""
@@ -62,11 +64,3 @@ class GeneratorState:
             legacy = tuple(state["numpy_legacy"])
             check_mt19937_position(legacy[2])
             generator.set_state(legacy)
-
-
-def check_mt19937_position(position: Any) -> None:
-    """Refuse a Mersenne Twister position outside 0..624. NumPy reads it without checking:
-    out of range, the next draw reads outside its state (a crash at every restart, not an
-    error)."""
-    if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position <= 624:
-        raise ValueError(f"the Mersenne Twister position {position!r} is not in 0..624")

@@ -53,26 +53,6 @@ def added(objects: Mapping[str, Any], initial: Mapping[int, int]) -> dict[str, A
     return found
 
 
-def check(document: Any) -> bool:
-    """Whether ``document`` is a valid :data:`MEMBER` value."""
-    return isinstance(document, dict) and all(
-        isinstance(entry, dict)
-        and isinstance(entry.get("from"), int)
-        and not isinstance(entry.get("from"), bool)
-        and entry["from"] >= 1
-        and isinstance(entry.get("names"), list)
-        and all(
-            isinstance(group, list) and all(isinstance(n, str) for n in group)
-            for group in entry["names"]
-        )
-        and isinstance(entry.get("requires_grad"), list)
-        and [len(g) if isinstance(g, list) else -1 for g in entry["requires_grad"]]
-        == [len(g) for g in entry["names"]]
-        and all(isinstance(f, bool) for g in entry["requires_grad"] for f in g)
-        for entry in document.values()
-    )
-
-
 class Grown:
     """An optimizer given back its added groups, and how to undo it."""
 

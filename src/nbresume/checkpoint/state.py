@@ -28,8 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbresume.checkpoint import param_groups
-from nbresume.checkpoint.generators import check_mt19937_position
 from nbresume.checkpoint.tensorfile import _DTYPES, TensorSpec, signature
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
@@ -348,7 +346,7 @@ def decode_state(
     if not isinstance(gradients, dict) or not all(isinstance(v, dict) for v in gradients.values()):
         raise bad("'gradients' is not an object of optimizers' gradients")
     added_groups = document.get("added_groups", {})
-    if not param_groups.check(added_groups):
+    if not check_added_groups(added_groups):
         raise bad('\'added_groups\' is not {optimizer: {"from": N, "names": [[...]]}}')
     for index, tree in enumerate([rng, *rank_rng]):
         if not isinstance(tree, dict):
@@ -368,6 +366,27 @@ def decode_state(
         ended_early=ended_early,
         gradients=gradients,
         added_groups=added_groups,
+    )
+
+
+def check_added_groups(document: Any) -> bool:
+    """Whether ``document`` is a valid ``added_groups`` member (the parameter groups optimizers
+    gained during training: :mod:`~nbresume.checkpoint.param_groups`)."""
+    return isinstance(document, dict) and all(
+        isinstance(entry, dict)
+        and isinstance(entry.get("from"), int)
+        and not isinstance(entry.get("from"), bool)
+        and entry["from"] >= 1
+        and isinstance(entry.get("names"), list)
+        and all(
+            isinstance(group, list) and all(isinstance(n, str) for n in group)
+            for group in entry["names"]
+        )
+        and isinstance(entry.get("requires_grad"), list)
+        and [len(g) if isinstance(g, list) else -1 for g in entry["requires_grad"]]
+        == [len(g) for g in entry["names"]]
+        and all(isinstance(f, bool) for g in entry["requires_grad"] for f in g)
+        for entry in document.values()
     )
 
 
@@ -413,6 +432,14 @@ def check_rng(state: Mapping[str, Any], *, where: str) -> None:
         raise CorruptCheckpointError(
             f"invalid saved state: an RNG state cannot be restored ({reason})", where=where
         ) from None
+
+
+def check_mt19937_position(position: Any) -> None:
+    """Refuse a Mersenne Twister position outside 0..624. NumPy reads it without checking:
+    out of range, the next draw reads outside its state (a crash at every restart, not an
+    error)."""
+    if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position <= 624:
+        raise ValueError(f"the Mersenne Twister position {position!r} is not in 0..624")
 
 
 #: The size of torch's CPU generator state (``CPUGeneratorImplState``), and the Mersenne
