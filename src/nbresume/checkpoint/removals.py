@@ -4,7 +4,7 @@ On a local disk, deleting a checkpoint is one rename to a hidden ``.nbresume-old
 folder, with the parent folder fsynced (every reader stops seeing the checkpoint, durably,
 before :meth:`~nbresume.checkpoint.store.CheckpointStore.save` returns), then the removal of
 that folder's files, which costs tens of milliseconds for a checkpoint of 50 MB and hundreds
-for 500 MB. That removal runs in a kept thread (:class:`~nbresume.checkpoint.workers.Workers`)
+for 500 MB. That removal runs in a kept thread (:class:`~nbresume.checkpoint.forksafe.Workers`)
 so that a save does not wait for it. What needs the disk space back waits for it first:
 
 - the next save of this process, before it cleans up, checks free space and writes
@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable
 
 from nbresume.checkpoint import forksafe
-from nbresume.checkpoint.workers import Workers
+from nbresume.checkpoint.forksafe import Workers
 
 log = logging.getLogger("nbresume")
 

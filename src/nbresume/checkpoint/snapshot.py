@@ -38,10 +38,10 @@ from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe, hooks, reporting
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.durability import DurabilityWatcher
+from nbresume.checkpoint.forksafe import Workers
 from nbresume.checkpoint.state import STATE_VERSION, capture_rng, flatten
 from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
 from nbresume.checkpoint.units import format_bytes
-from nbresume.checkpoint.workers import Workers
 from nbresume.errors import CheckpointError, NbresumeError
 
 log = logging.getLogger("nbresume")
