@@ -58,8 +58,9 @@ from nbresume.checkpoint.keywords import (
     option_names,
 )
 from nbresume.checkpoint.lease import acquire_writer_lease
+from nbresume.checkpoint.saver import Saver
 from nbresume.checkpoint.sharded import is_sharded_object
-from nbresume.checkpoint.snapshot import Saver, Snapshot, capture
+from nbresume.checkpoint.snapshot import Snapshot, capture
 from nbresume.checkpoint.state import flatten
 from nbresume.checkpoint.store import (
     CheckpointInfo,

@@ -31,15 +31,9 @@ from typing import Any, Protocol
 from nbresume.checkpoint import distributed, restoring
 from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.restoring import DoesNotFit
+from nbresume.checkpoint.saver import Saver, background_failure, raiser
 from nbresume.checkpoint.sharded import load_sharded, loadable_state, save_sharded
-from nbresume.checkpoint.snapshot import (
-    RNG_GROUP,
-    STATE_FILE,
-    Saver,
-    Snapshot,
-    background_failure,
-    raiser,
-)
+from nbresume.checkpoint.snapshot import RNG_GROUP, STATE_FILE, Snapshot
 from nbresume.checkpoint.state import capture_rng
 from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
 from nbresume.errors import CheckpointError, NoCheckpointError

@@ -41,14 +41,14 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from nbresume.checkpoint import distributed, hooks, reporting, stops
+from nbresume.checkpoint import distributed, hooks, stops
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.cadence import Cadence
 from nbresume.checkpoint.deadline import resolve_deadline
 from nbresume.checkpoint.durability import DurabilityWatcher
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.pending import PendingCheckpoint
-from nbresume.checkpoint.reporting import SaveFunction
+from nbresume.checkpoint.saver import SaveFunction, report_save
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 
@@ -237,7 +237,7 @@ class Watch:
 
         ``store`` is where the checkpoint lands when it is not the watch's own store (a
         framework that writes several checkpoint folders, such as Lightning's ``.ckpt``s)."""
-        return reporting.commit(
+        return report_save(
             self.events,
             self.cadence,
             step,
