@@ -44,10 +44,9 @@ from nbresume.checkpoint import (
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
 from nbresume.checkpoint.cadence import Cadence
-from nbresume.checkpoint.confirm import Confirmation, confirm
 from nbresume.checkpoint.data import ResumableLoader
 from nbresume.checkpoint.deadline import resolve_deadline
-from nbresume.checkpoint.durability import DurabilityWatcher
+from nbresume.checkpoint.durability import Confirmation, DurabilityWatcher, confirm
 from nbresume.checkpoint.epochloop import EpochLoopMixin
 from nbresume.checkpoint.format import parse_step_dirname
 from nbresume.checkpoint.generators import GeneratorState, is_generator

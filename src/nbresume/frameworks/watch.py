@@ -53,7 +53,7 @@ from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 
 if TYPE_CHECKING:
-    from nbresume.checkpoint.confirm import Confirmation
+    from nbresume.checkpoint.durability import Confirmation
 
 log = logging.getLogger("nbresume")
 
@@ -298,7 +298,7 @@ class Watch:
         """Saves through a watch are blocking: nothing is ever in flight. With ``durable``, wait
         until the storage itself confirms the newest checkpoint, as
         :meth:`Checkpointer.wait <nbresume.checkpoint.checkpointer.Checkpointer.wait>` does."""
-        from nbresume.checkpoint.confirm import confirm
+        from nbresume.checkpoint.durability import confirm
 
         return confirm(self.store, timeout=timeout) if durable else None
 

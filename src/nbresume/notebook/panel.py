@@ -340,7 +340,7 @@ class Panel:
                 self._ask_again = False
 
     def _ask_once(self) -> None:
-        from nbresume.checkpoint.confirm import confirm
+        from nbresume.checkpoint.durability import confirm
         from nbresume.errors import CheckpointError
 
         ckpt = self.tracker.checkpointer
