@@ -20,8 +20,8 @@ import torch
 from tests.stateful import Counter
 
 from nbresume import Checkpointer, CheckpointStore
+from nbresume.checkpoint.backends import DELETING_PREFIX
 from nbresume.checkpoint.format import step_dirname
-from nbresume.checkpoint.storage import DELETING_PREFIX
 
 
 def hidden(root: Path) -> list[str]:

@@ -20,8 +20,8 @@ import torch
 import xxhash
 
 from nbresume import CheckpointStore, CorruptCheckpointError, NoCheckpointError
+from nbresume.checkpoint.backends import LocalStore
 from nbresume.checkpoint.format import MANIFEST_NAME, parse_step_dirname, step_dirname
-from nbresume.checkpoint.storage import LocalStore
 
 MIB = 1 << 20
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
+from nbresume.checkpoint.backends import FsspecStore, LocalStore, Store, fsync_folder, open_store
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -61,7 +62,6 @@ from nbresume.checkpoint.lease_holder import (
     this_process,
 )
 from nbresume.checkpoint.reading import has_manifest
-from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, fsync_folder, open_store
 from nbresume.checkpoint.store import CheckpointStore, VerifyResult
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CorruptCheckpointError, NbresumeError, StorageError, UsageError

@@ -20,8 +20,8 @@ from typing import IO, Any
 
 import pytest
 
+from nbresume.checkpoint.backends import FreeSpace, LocalStore
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX, step_dirname
-from nbresume.checkpoint.storage import FreeSpace, LocalStore
 from nbresume.checkpoint.store import CheckpointStore, format_bytes
 from nbresume.errors import StorageFullError
 

@@ -25,11 +25,11 @@ from nbresume.checkpoint.arguments import (
     refused,
     show,
 )
+from nbresume.checkpoint.backends import Store, check_location
 from nbresume.checkpoint.cadence import parse_every
 from nbresume.checkpoint.deadline import check_deadline
 from nbresume.checkpoint.generators import is_generator
 from nbresume.checkpoint.snapshot import GRADIENTS_GROUP, RNG_GROUP, STATE_FILE, VALUES_GROUP
-from nbresume.checkpoint.storage import Store, check_location
 from nbresume.errors import UsageError
 
 #: Names the checkpoint uses for its own files and groups.

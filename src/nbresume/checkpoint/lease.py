@@ -74,6 +74,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nbresume.checkpoint import forksafe
+from nbresume.checkpoint.backends import Store
 from nbresume.checkpoint.lease_holder import (
     FUTURE_TOLERANCE_S,
     LEASE_EXPIRY_S,
@@ -82,7 +83,6 @@ from nbresume.checkpoint.lease_holder import (
     judge,
     this_process,
 )
-from nbresume.checkpoint.storage import Store
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import FolderInUseError, LeaseLostError, StorageError
 

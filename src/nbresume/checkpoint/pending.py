@@ -40,6 +40,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from nbresume.checkpoint import tensorfile
+from nbresume.checkpoint.backends import READ_CHUNK, Store
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_JSON_BYTES,
@@ -51,7 +52,6 @@ from nbresume.checkpoint.format import (
 from nbresume.checkpoint.hashing import Digests, DurableCloser, Streamed, default_hash, write_files
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.reading import verify_folder
-from nbresume.checkpoint.storage import READ_CHUNK, Store
 from nbresume.checkpoint.units import format_bytes
 from nbresume.checkpoint.version import __version__
 from nbresume.errors import (

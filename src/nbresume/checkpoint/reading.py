@@ -36,6 +36,13 @@ from typing import IO, Any
 
 from nbresume.checkpoint import lightning_format, tensorfile
 from nbresume.checkpoint import state as state_document
+from nbresume.checkpoint.backends import (
+    READ_CHUNK,
+    Store,
+    handle_size,
+    read_into,
+    replaced_step,
+)
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_JSON_BYTES,
@@ -58,13 +65,6 @@ from nbresume.checkpoint.hashing import (
     read_unsized,
 )
 from nbresume.checkpoint.info import LoadedCheckpoint, VerifyResult
-from nbresume.checkpoint.storage import (
-    READ_CHUNK,
-    Store,
-    handle_size,
-    read_into,
-    replaced_step,
-)
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 
 

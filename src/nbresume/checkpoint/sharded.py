@@ -50,6 +50,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from nbresume.checkpoint.backends import replaced_step
 from nbresume.checkpoint.dcp import (
     DEFAULT_STEM,
     Ranks,
@@ -80,7 +81,6 @@ from nbresume.checkpoint.format import (
 from nbresume.checkpoint.hashing import check_bytes
 from nbresume.checkpoint.pending import PendingCheckpoint, encode
 from nbresume.checkpoint.reading import decode_files, newest_that_loads
-from nbresume.checkpoint.storage import replaced_step
 from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
 from nbresume.errors import (
     CheckpointError,

@@ -33,7 +33,8 @@ shortest use):
 7. Retention: delete checkpoints beyond the policy, oldest first, each withdrawn from view in
    one step (a rename on POSIX, the manifest first on object stores), so a kill at any moment
    leaves only whole checkpoints. On POSIX the renamed folder's files are removed in the
-   background (:mod:`~nbresume.checkpoint.removals`); the next save waits for that first.
+   background (:func:`~nbresume.checkpoint.backends.local.remove_in_background`); the next save
+   waits for that first.
 
 Any failure in 3-5 removes the partial folder and leaves every earlier checkpoint untouched.
 One writer per folder at a time is assumed (a second writer's leftovers would be cleaned).
@@ -46,19 +47,19 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from nbresume.checkpoint import reading, removals
+from nbresume.checkpoint import reading
 from nbresume.checkpoint.arguments import (
     check_bool,
     check_keep,
     check_keep_best,
     check_storage_options,
 )
+from nbresume.checkpoint.backends import Store, check_location, open_store, wait_for_removals
 from nbresume.checkpoint.format import FileEntry, Manifest
 from nbresume.checkpoint.hashing import default_hash, read_header
 from nbresume.checkpoint.info import CheckpointInfo, LoadedCheckpoint, VerifyReport, VerifyResult
 from nbresume.checkpoint.pending import PendingCheckpoint, encode, size_of
 from nbresume.checkpoint.reading import verify_folder
-from nbresume.checkpoint.storage import Store, check_location, open_store
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
@@ -386,7 +387,7 @@ class CheckpointStore:
         normal exit of the interpreter; call this before copying or archiving the folder from
         this process. It waits for every such removal this process started.
         """
-        removals.wait()
+        wait_for_removals()
 
 
 def _check_keep_best(

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from nbresume.checkpoint.backends import READ_CHUNK
 from nbresume.checkpoint.backends.base import Backend, FreeSpace
 from nbresume.checkpoint.backends.local import LocalStore
 from nbresume.checkpoint.format import (
@@ -49,7 +50,6 @@ from nbresume.checkpoint.hashing import Digests
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.pending import PendingCheckpoint
 from nbresume.checkpoint.reading import parse_json
-from nbresume.checkpoint.storage import READ_CHUNK
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
 from nbresume.hf import trainer_files

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
 
 from nbresume.checkpoint import lightning_format
+from nbresume.checkpoint.backends import LocalStore, fsync_folder
 from nbresume.checkpoint.info import CheckpointInfo
 from nbresume.checkpoint.lightning_format import DOCUMENT, FORMAT, FORMAT_VERSION, TENSORS
 from nbresume.checkpoint.state import flatten
-from nbresume.checkpoint.storage import LocalStore, fsync_folder
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError, NoCheckpointError, UsageError
 from nbresume.frameworks.layout import committed

@@ -710,7 +710,7 @@ class Tracker:
             if ckpt is not None:
                 free = ckpt.store.backend.free_space().bytes
             elif self.run is not None:
-                from nbresume.checkpoint.storage import open_store
+                from nbresume.checkpoint.backends import open_store
 
                 free = open_store(self.run.dir).free_space().bytes
         except Exception as exc:
