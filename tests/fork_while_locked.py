@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 import nbresume
-from nbresume.checkpoint import hashing, health, lease, snapshot
 from nbresume.checkpoint.backends import local
+from nbresume.checkpoint.state import health, snapshot
+from nbresume.checkpoint.store import hashing, lease
 from nbresume.errors import FolderInUseError
 from nbresume.notebook import progress
 

@@ -49,7 +49,7 @@ def main() -> None:
     from torch import nn
 
     import nbresume
-    from nbresume.checkpoint import saver
+    from nbresume.checkpoint.loop import saver
 
     if copy_anyway:
         saver.HOST_SHARE = math.inf

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from nbresume.checkpoint import deadline as deadline_module
-from nbresume.checkpoint.cadence import AUTO_FIRST_SAVE_S, Cadence
-from nbresume.checkpoint.deadline import HOUR, resolve_deadline, session_started_at
+from nbresume.checkpoint.loop import deadline as deadline_module
+from nbresume.checkpoint.loop.cadence import AUTO_FIRST_SAVE_S, Cadence
+from nbresume.checkpoint.loop.deadline import HOUR, resolve_deadline, session_started_at
 from nbresume.checkpoint.units import parse_duration
 
 

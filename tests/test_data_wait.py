@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from nbresume import Checkpointer
-from nbresume.checkpoint.health import INPUT_BOUND_SHARE, MIN_BATCHES, data_wait_of
+from nbresume.checkpoint.state.health import INPUT_BOUND_SHARE, MIN_BATCHES, data_wait_of
 from nbresume.notebook.progress import Tracker
 from nbresume.notebook.status_line import StatusLine
 

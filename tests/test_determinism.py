@@ -18,7 +18,7 @@ import torch
 
 import nbresume
 from nbresume import Checkpointer
-from nbresume.checkpoint import determinism
+from nbresume.checkpoint.state import determinism
 from nbresume.errors import ArgumentError
 
 SCRIPT = """

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
-from nbresume.checkpoint import reading, restoring
+from nbresume.checkpoint.state import restoring
+from nbresume.checkpoint.store import reading
 from nbresume.errors import NoCheckpointError
 
 CPU = torch.device("cpu")

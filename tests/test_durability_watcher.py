@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint.durability import DurabilityWatcher
+from nbresume.checkpoint.loop import DurabilityWatcher
 from nbresume.checkpoint.store import CheckpointStore
 
 

@@ -9,8 +9,8 @@ from typing import IO
 
 import pytest
 
-from nbresume.checkpoint import hashing
 from nbresume.checkpoint.backends.local import LocalStore
+from nbresume.checkpoint.store import hashing
 
 
 class SlowStore(LocalStore):

@@ -13,12 +13,7 @@ import torch
 import xxhash
 
 from nbresume import CheckpointStore, CorruptCheckpointError, NoCheckpointError
-from nbresume.checkpoint.format import (
-    Manifest,
-    parse_manifest,
-    parse_step_dirname,
-    step_dirname,
-)
+from nbresume.checkpoint.format import Manifest, parse_manifest, parse_step_dirname, step_dirname
 
 ForgeManifest = Callable[..., Path]
 

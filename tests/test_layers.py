@@ -35,11 +35,11 @@ ABOVE_THE_CORE = (
 #: The checkpoint store's own modules: the only ones that may use its private members.
 STORE_MODULES = frozenset(
     {
-        "nbresume.checkpoint.store",
-        "nbresume.checkpoint.pending",
-        "nbresume.checkpoint.reading",
-        "nbresume.checkpoint.hashing",
-        "nbresume.checkpoint.info",
+        "nbresume.checkpoint.store.store",
+        "nbresume.checkpoint.store.pending",
+        "nbresume.checkpoint.store.reading",
+        "nbresume.checkpoint.store.hashing",
+        "nbresume.checkpoint.store.info",
     }
 )
 
@@ -170,7 +170,7 @@ def private_uses(members: set[str], own: frozenset[str] = STORE_MODULES) -> list
 #: The Checkpointer's own modules (the epoch loop is a part of it), the only ones that may
 #: use its private members; a strategy gets a small host object instead.
 CHECKPOINTER_MODULES = frozenset(
-    {"nbresume.checkpoint.checkpointer", "nbresume.checkpoint.epochloop"}
+    {"nbresume.checkpoint.loop.checkpointer", "nbresume.checkpoint.loop.epochloop"}
 )
 
 

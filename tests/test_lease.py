@@ -27,8 +27,7 @@ from typing import Any
 import pytest
 
 from nbresume import Checkpointer, CheckpointStore
-from nbresume.checkpoint.lease import LEASE_NAME
-from nbresume.checkpoint.lease_holder import this_process
+from nbresume.checkpoint.store import LEASE_NAME, this_process
 from nbresume.cli import main as cli_main
 from nbresume.errors import CheckpointError, FolderInUseError, LeaseLostError, StorageError
 

@@ -19,7 +19,7 @@ import torch
 
 from nbresume import CheckpointError, CheckpointStore, NoCheckpointError
 from nbresume.checkpoint.format import step_dirname
-from nbresume.checkpoint.pending import PendingCheckpoint
+from nbresume.checkpoint.store import PendingCheckpoint
 from nbresume.cli import main
 from nbresume.errors import UsageError
 

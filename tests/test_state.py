@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 import nbresume
-from nbresume.checkpoint import tensorfile
-from nbresume.checkpoint.state import capture_rng, flatten, restore_rng, unflatten
+from nbresume.checkpoint.format import capture_rng, flatten, restore_rng, tensorfile, unflatten
 from nbresume.errors import CheckpointError
 
 # -- helpers --------------------------------------------------------------------------------

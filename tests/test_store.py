@@ -27,7 +27,7 @@ from nbresume import (
     NoCheckpointError,
 )
 from nbresume.checkpoint.format import step_dirname
-from nbresume.checkpoint.store import format_bytes
+from nbresume.checkpoint.store.store import format_bytes
 
 
 def bits(tensor: torch.Tensor) -> bytes:

@@ -14,7 +14,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from nbresume.checkpoint import tensorfile
+from nbresume.checkpoint.format import tensorfile
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
 ALL_TORCH_DTYPES = [

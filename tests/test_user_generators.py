@@ -87,7 +87,7 @@ def test_a_generator_is_restored_into_the_same_object(tmp_path: Path, device: st
 def test_a_corrupt_mersenne_twister_position_is_refused_before_any_draw(tmp_path: Path) -> None:
     """NumPy reads a RandomState's position unchecked: out of range, the next draw reads
     outside the state and the process crashes at every restart."""
-    from nbresume.checkpoint.generators import GeneratorState
+    from nbresume.checkpoint.state import GeneratorState
 
     legacy = np.random.RandomState(1)
     state = GeneratorState(legacy).state_dict()

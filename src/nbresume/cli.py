@@ -88,7 +88,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         _check_metric(store, keep_best[0], args.dir)
     # Deleting beside a run that saves there would race with its own retention: prune holds
     # the folder's writer lease meanwhile, and a live writer's lease refuses it by name.
-    from nbresume.checkpoint.lease import holding
+    from nbresume.checkpoint.store import holding
 
     with holding(store.backend, purpose="nbresume prune"):
         deleted = store.prune()

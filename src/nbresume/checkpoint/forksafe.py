@@ -16,8 +16,8 @@ the removals in flight, the leases held) also forget that work in the child.
 
 A forked child inherits none of its parent's threads either. Starting a thread costs
 milliseconds on a busy machine, at every save: the files' fsyncs
-(:class:`~nbresume.checkpoint.hashing.DurableCloser`) and the second half of an asynchronous
-snapshot's copy (:class:`~nbresume.checkpoint.snapshot.PieceCopy`) go to :class:`Workers`,
+(:class:`~nbresume.checkpoint.store.hashing.DurableCloser`) and the second half of an asynchronous
+snapshot's copy (:class:`~nbresume.checkpoint.state.snapshot.PieceCopy`) go to :class:`Workers`,
 threads that wait for the next job instead; a forked child starts its own.
 """
 

@@ -28,7 +28,7 @@ from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.units import format_duration
 
 if TYPE_CHECKING:
-    from nbresume.checkpoint.checkpointer import Checkpointer
+    from nbresume.checkpoint.loop import Checkpointer
     from nbresume.preflight import Check, Report
     from nbresume.run import Run
 

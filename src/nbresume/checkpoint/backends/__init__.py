@@ -1,13 +1,12 @@
 """Storage backends: where checkpoint folders live, behind one protocol.
 
-:mod:`~nbresume.checkpoint.backends.base` states the protocol (:class:`Backend`) and the value a
-backend answers about durability (:class:`Durability`);
-:mod:`~nbresume.checkpoint.backends.registry` maps a location to its backend and imports the
-backend's module only when a location of that kind is opened. The backends: a POSIX folder
-(:mod:`.local`, which also removes deleted checkpoints in the background), any fsspec file
-system (:mod:`.fsspec_store`), Google Drive's mount (:mod:`.drive`, imported only when a
-folder on the mount is opened). How a checkpoint is committed through a backend is described
-at the top of :mod:`nbresume.checkpoint.store`.
+The layer above :mod:`~nbresume.checkpoint.format`: :mod:`.base` states the protocol
+(:class:`Backend`) and the value a backend answers about durability (:class:`Durability`);
+:mod:`.registry` maps a location to its backend, importing a registered backend's module only
+when a location of its kind is opened. The built-in backends: a POSIX folder (:mod:`.local`,
+which also removes deleted checkpoints in the background), any fsspec file system
+(:mod:`.fsspec_store`), Google Drive's mount (:mod:`.drive`). How a checkpoint is committed
+through a backend is described at the top of :mod:`nbresume.checkpoint.store.store`.
 
 This package is the layer's API: the names below are what the rest of the package imports.
 """
@@ -31,6 +30,7 @@ from nbresume.checkpoint.backends.base import (
     read_into,
     replaced_step,
 )
+from nbresume.checkpoint.backends.drive import DriveApi, DriveStore
 from nbresume.checkpoint.backends.fsspec_store import FsspecStore
 from nbresume.checkpoint.backends.local import LocalStore, fsync_folder, wait_for_removals
 from nbresume.checkpoint.backends.registry import (
@@ -51,6 +51,8 @@ __all__ = [
     "SMALL_FILE_LIMIT",
     "SYNCING",
     "Backend",
+    "DriveApi",
+    "DriveStore",
     "Durability",
     "FreeSpace",
     "FsspecStore",

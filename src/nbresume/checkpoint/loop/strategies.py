@@ -16,11 +16,12 @@ The protocol every :class:`Strategy` implements, for the :class:`Checkpointer` t
 - ``share_loader_seeds(loaders)``: give every process the first process's data seeds.
 
 Three implementations: :class:`OneProcess`, :class:`DataParallel` (``torch.distributed``,
-replicated state: rank 0 writes one checkpoint, see :mod:`nbresume.checkpoint.distributed`)
-and :class:`Sharded` (FSDP2 / DTensor state: every rank writes its own shards, see
-:mod:`nbresume.checkpoint.sharded`). :func:`choose` picks one, once per Checkpointer, at its
-first save or restore (every loop restores first): by then the process group is up and the
-model is sharded, which may both happen after the Checkpointer was made.
+replicated state: rank 0 writes one checkpoint, see
+:mod:`nbresume.checkpoint.parallel.distributed`) and :class:`Sharded` (FSDP2 / DTensor state:
+every rank writes its own shards, see :mod:`nbresume.checkpoint.parallel.sharded`).
+:func:`choose` picks one, once per Checkpointer, at its first save or restore (every loop
+restores first): by then the process group is up and the model is sharded, which may both
+happen after the Checkpointer was made.
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from nbresume.checkpoint import distributed, restoring
-from nbresume.checkpoint.data import ResumableLoader
-from nbresume.checkpoint.restoring import DoesNotFit
-from nbresume.checkpoint.saver import Saver, background_failure, raiser
-from nbresume.checkpoint.sharded import load_sharded, loadable_state, save_sharded
-from nbresume.checkpoint.snapshot import RNG_GROUP, STATE_FILE, Snapshot
-from nbresume.checkpoint.state import capture_rng
+from nbresume.checkpoint.format import capture_rng
+from nbresume.checkpoint.loop.saver import Saver, background_failure, raiser
+from nbresume.checkpoint.parallel import distributed, load_sharded, loadable_state, save_sharded
+from nbresume.checkpoint.state import (
+    RNG_GROUP,
+    STATE_FILE,
+    DoesNotFit,
+    ResumableLoader,
+    Snapshot,
+    restoring,
+)
 from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
 from nbresume.errors import CheckpointError, NoCheckpointError
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from nbresume import knobs
-from nbresume.checkpoint import forksafe, tensorfile
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.backends import READ_CHUNK, Store, read_into
 from nbresume.checkpoint.forksafe import Workers
-from nbresume.checkpoint.format import HASH_ALGORITHM, HASH_DIGITS, FileEntry
+from nbresume.checkpoint.format import HASH_ALGORITHM, HASH_DIGITS, FileEntry, tensorfile
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
 
 #: Files smaller than this are hashed in the calling thread: starting a thread costs more.

@@ -34,8 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nbresume import errors
-from nbresume.checkpoint import tensorfile
-from nbresume.checkpoint.state import flatten, unflatten
+from nbresume.checkpoint.format import flatten, tensorfile, unflatten
 from nbresume.errors import CheckpointError, NbresumeError
 
 

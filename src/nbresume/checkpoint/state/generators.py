@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from nbresume.checkpoint.state import check_mt19937_position
+from nbresume.checkpoint.format import check_mt19937_position
 
 
 def is_generator(value: Any) -> bool:

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from nbresume.checkpoint.gradients import is_optimizer
+from nbresume.checkpoint.state.gradients import is_optimizer
 
 #: The state member: ``{optimizer: {"from": groups at registration, "names": [[...], ...]}}``.
 MEMBER = "added_groups"

@@ -21,14 +21,15 @@ The save protocol (every rank calls :func:`save_sharded`; rank 0 coordinates):
    a killed writer and creates the temporary folder); the folder's name is broadcast, and
    every other rank joins it (:meth:`CheckpointStore.join`).
 2. DCP plans the save; every rank writes its files into the pending folder through the
-   pending layer (:mod:`nbresume.checkpoint.dcp`), each durable and hashed; rank 0 writes the
-   metadata file once all ranks have written, then the files of ``data=`` and ``tensors=``.
+   pending layer (:mod:`nbresume.checkpoint.parallel.dcp`), each durable and hashed; rank 0
+   writes the metadata file once all ranks have written, then the files of ``data=`` and
+   ``tensors=``.
 3. Every rank's file names, sizes and hashes are gathered to rank 0 (as JSON bytes in tensor
    collectives: no pickle). A failure on any rank removes the temporary folder on rank 0 and
    raises on every rank.
 4. Rank 0 records every rank's files in its pending checkpoint and commits it: the manifest,
    the rename into place, the verification of the checkpoint as the store now has it and
-   retention, as for every checkpoint (:mod:`nbresume.checkpoint.pending`); then it tells
+   retention, as for every checkpoint (:mod:`nbresume.checkpoint.store.pending`); then it tells
    every rank the outcome.
 
 A kill at any moment before step 4's commit leaves only a hidden temporary folder, which no
@@ -40,7 +41,7 @@ SHA-256 against the manifest, and parses only those verified bytes: the metadata
 outside the shards, and (in DCP's planning phase, before any tensor is copied) the shard files
 its plan reads; the shard files no rank reads are hashed by a rank in turn. A file that fails
 makes every rank pass over that checkpoint with a warning and try the next older one: the
-reading policy of every reader (:func:`nbresume.checkpoint.reading.newest_that_loads`).
+reading policy of every reader (:func:`nbresume.checkpoint.store.newest_that_loads`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,16 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from nbresume.checkpoint.backends import replaced_step
-from nbresume.checkpoint.dcp import (
+from nbresume.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    parse_manifest,
+    parse_step_dirname,
+    step_dirname,
+)
+from nbresume.checkpoint.parallel.dcp import (
     DEFAULT_STEM,
     Ranks,
     dcp_without_group,
@@ -69,19 +79,16 @@ from nbresume.checkpoint.dcp import (
     read_verified,
     shard_names,
 )
-from nbresume.checkpoint.format import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    FileEntry,
-    Manifest,
-    parse_manifest,
-    parse_step_dirname,
-    step_dirname,
+from nbresume.checkpoint.store import (
+    CheckpointInfo,
+    CheckpointStore,
+    LoadedCheckpoint,
+    PendingCheckpoint,
+    check_bytes,
+    decode_files,
+    encode,
+    newest_that_loads,
 )
-from nbresume.checkpoint.hashing import check_bytes
-from nbresume.checkpoint.pending import PendingCheckpoint, encode
-from nbresume.checkpoint.reading import decode_files, newest_that_loads
-from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,

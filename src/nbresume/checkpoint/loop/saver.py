@@ -1,7 +1,7 @@
 """Writing a snapshot and reporting the save: now or in the background, then its events.
 
 The protocol of one save, whatever the distributed mode, after the capture
-(:func:`~nbresume.checkpoint.snapshot.capture`):
+(:func:`~nbresume.checkpoint.state.capture`):
 
 1. **Host memory** (:meth:`Saver.mirror`, :meth:`Saver.write`): a copy of the state in host
    memory is made only where it takes at most :data:`HOST_SHARE` of the memory this process
@@ -10,7 +10,7 @@ The protocol of one save, whatever the distributed mode, after the capture
    has 12.7 GB) gets the process killed by the kernel. Where it would take more, the save is
    written now, in the training thread, from the live tensors. The first such save says so
    in a warning. Whatever is written now, tensors on a GPU go through a
-   :class:`~nbresume.checkpoint.snapshot.Stager`'s few small pinned buffers.
+   :class:`~nbresume.checkpoint.state.Stager`'s few small pinned buffers.
 2. **Write** (:meth:`Saver.write`): the store writes, commits and verifies the checkpoint.
 3. **Report** (:func:`report_save`): the Checkpointer's saves and a framework's
    (:class:`~nbresume.frameworks.watch.Watch`) report the same way: ``save_started``,
@@ -32,10 +32,9 @@ from typing import Any
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import hooks
-from nbresume.checkpoint.cadence import Cadence
-from nbresume.checkpoint.durability import DurabilityWatcher
-from nbresume.checkpoint.info import CheckpointInfo
-from nbresume.checkpoint.snapshot import (
+from nbresume.checkpoint.loop.cadence import Cadence
+from nbresume.checkpoint.loop.durability import DurabilityWatcher
+from nbresume.checkpoint.state import (
     STAGE_BUFFERS,
     STAGE_PIECE,
     STATE_FILE,
@@ -44,7 +43,7 @@ from nbresume.checkpoint.snapshot import (
     Stager,
     tensor_bytes,
 )
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CheckpointError, NbresumeError
 

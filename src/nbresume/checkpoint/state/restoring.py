@@ -28,19 +28,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbresume import knobs
-from nbresume.checkpoint import param_groups
-from nbresume.checkpoint.data import ResumableLoader
-from nbresume.checkpoint.snapshot import STATE_FILE
-from nbresume.checkpoint.state import (
+from nbresume.checkpoint.format import (
     SavedState,
+    TensorSpec,
     capture_rng,
     decode_state,
     is_state_document,
     restore_rng,
+    signature,
+    torch_name,
 )
+from nbresume.checkpoint.state import param_groups
+from nbresume.checkpoint.state.data import ResumableLoader
+from nbresume.checkpoint.state.snapshot import STATE_FILE
+from nbresume.checkpoint.state.trainable import TrainableOnly
 from nbresume.checkpoint.store import LoadedCheckpoint
-from nbresume.checkpoint.tensorfile import TensorSpec, signature, torch_name
-from nbresume.checkpoint.trainable import TrainableOnly
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeError, UsageError
 
 
@@ -106,7 +108,7 @@ def plan(
 
 def check_fits(heads: LoadedCheckpoint, objects: Mapping[str, Any]) -> None:
     """Compare the saved modules and optimizers of ``heads`` (a checkpoint whose tensors are
-    their headers' :class:`~nbresume.checkpoint.tensorfile.TensorSpec`: dtype and shape, no
+    their headers' :class:`~nbresume.checkpoint.format.TensorSpec`: dtype and shape, no
     bytes) with the live ones, as :func:`plan` compares them, before a byte of the tensors
     is read: raises :class:`DoesNotFit` (or CorruptCheckpointError) and changes nothing."""
     where = f"{heads.location}/{STATE_FILE}.json"
@@ -308,7 +310,7 @@ def adopt_storages(module: Any, tree: Mapping[str, Any]) -> tuple[dict[str, Any]
 def devices(objects: Mapping[str, Any]) -> dict[str, Any]:
     """The tensor file of each module and optimizer whose tensors all live on one CUDA
     device, mapped to that device: a restore reads those files straight onto it
-    (:class:`~nbresume.checkpoint.reading.DeviceReader`) rather than into host memory as
+    (:class:`~nbresume.checkpoint.store.reading.DeviceReader`) rather than into host memory as
     large as the file, then copied. Objects on the host, spread over devices, or of other
     kinds are read into host memory as before.
 
@@ -356,7 +358,7 @@ def rank_rng(saved: SavedState, *, rank: int) -> Any:
 
 def derived_rng(base: Mapping[str, Any], *, rank: int, step: int) -> dict[str, Any]:
     """Random streams for ``rank`` of a job larger than the one that saved a checkpoint, in
-    the form :func:`~nbresume.checkpoint.state.capture_rng` gives: every generator ``base``
+    the form :func:`~nbresume.checkpoint.format.capture_rng` gives: every generator ``base``
     (rank 0's saved states) holds, each seeded from the checkpoint's step, the rank, and rank
     0's saved state of the same generator only, so that a stream the user seeded is derived
     the same way every time even where another one was not seeded (Python's ``random``, left

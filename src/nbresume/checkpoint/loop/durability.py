@@ -39,7 +39,7 @@ from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe
 
 # The value a backend answers with lives with the backend protocol; named here too.
-from nbresume.checkpoint.backends.base import FAILED, MISSING, SAVED, SYNCING, Durability
+from nbresume.checkpoint.backends import FAILED, MISSING, SAVED, SYNCING, Durability
 from nbresume.errors import CheckpointError, NoCheckpointError
 
 if TYPE_CHECKING:

@@ -2,8 +2,8 @@
 so that ``verify`` refuses what loading it refuses.
 
 A ``.ckpt`` folder is a checkpoint store whose checkpoints hold ``checkpoint.json`` (the
-dictionary Lightning hands, as tagged JSON: :mod:`nbresume.checkpoint.state`) and its tensors
-in ``tensors.safetensors``. Nothing here imports Lightning.
+dictionary Lightning hands, as tagged JSON: :mod:`nbresume.checkpoint.format.state_document`)
+and its tensors in ``tensors.safetensors``. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nbresume.checkpoint.state import unflatten
+from nbresume.checkpoint.format.state_document import unflatten
 from nbresume.errors import CorruptCheckpointError
 
 #: The JSON document of a Lightning checkpoint: its stem, and the format it declares.

@@ -11,10 +11,10 @@ A :class:`Checkpointer` owns named stateful objects (anything with ``state_dict(
 The Checkpointer keeps the loop: steps, epochs, the data position, the cadence, the deadline,
 signals, events and the folder's writer lease. Saves happen only at step boundaries. How a
 save, a restore and a step boundary's decision run (one process, ``torch.distributed``,
-sharded state) is the part of one :class:`~nbresume.checkpoint.strategies.Strategy`, chosen
-at the first save or restore; :mod:`~nbresume.checkpoint.snapshot` captures and writes (in
+sharded state) is the part of one :class:`~nbresume.checkpoint.loop.strategies.Strategy`, chosen
+at the first save or restore; :mod:`~nbresume.checkpoint.state.snapshot` captures and writes (in
 the background: training is blocked only for a copy into host memory), and
-:mod:`~nbresume.checkpoint.restoring` checks a checkpoint against the live objects before it
+:mod:`~nbresume.checkpoint.state.restoring` checks a checkpoint against the live objects before it
 puts it into them, all or nothing.
 """
 
@@ -32,43 +32,44 @@ from types import FrameType
 from typing import Any
 
 from nbresume import knobs
-from nbresume.checkpoint import (
-    determinism,
-    gradients,
-    health,
-    hooks,
-    param_groups,
-    restoring,
-    stops,
-)
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint import hooks
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
-from nbresume.checkpoint.cadence import Cadence
-from nbresume.checkpoint.data import ResumableLoader
-from nbresume.checkpoint.deadline import resolve_deadline
-from nbresume.checkpoint.durability import Confirmation, DurabilityWatcher, confirm
-from nbresume.checkpoint.epochloop import EpochLoopMixin
-from nbresume.checkpoint.format import parse_step_dirname
-from nbresume.checkpoint.generators import GeneratorState, is_generator
-from nbresume.checkpoint.keywords import (
+from nbresume.checkpoint.format import flatten, parse_step_dirname
+from nbresume.checkpoint.loop import stops
+from nbresume.checkpoint.loop.cadence import Cadence
+from nbresume.checkpoint.loop.deadline import resolve_deadline
+from nbresume.checkpoint.loop.durability import Confirmation, DurabilityWatcher, confirm
+from nbresume.checkpoint.loop.epochloop import EpochLoopMixin
+from nbresume.checkpoint.loop.keywords import (
     check_arguments,
     check_name,
     is_dataloader,
     option_names,
 )
-from nbresume.checkpoint.lease import acquire_writer_lease
-from nbresume.checkpoint.saver import Saver
-from nbresume.checkpoint.sharded import is_sharded_object
-from nbresume.checkpoint.snapshot import Snapshot, capture
-from nbresume.checkpoint.state import flatten
+from nbresume.checkpoint.loop.saver import Saver
+from nbresume.checkpoint.loop.strategies import Strategy, choose
+from nbresume.checkpoint.parallel import is_sharded_object
+from nbresume.checkpoint.state import (
+    GeneratorState,
+    ResumableLoader,
+    Snapshot,
+    TrainableOnly,
+    capture,
+    determinism,
+    gradients,
+    health,
+    is_generator,
+    param_groups,
+    restoring,
+)
 from nbresume.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
     KeepBest,
     VerifyReport,
+    acquire_writer_lease,
 )
-from nbresume.checkpoint.strategies import Strategy, choose
-from nbresume.checkpoint.trainable import TrainableOnly
 from nbresume.errors import FolderInUseError, LeaseLostError, StorageError, UsageError
 
 log = logging.getLogger("nbresume")
@@ -97,7 +98,7 @@ class Checkpointer(EpochLoopMixin):
         quiet: show no progress. Without it, a Checkpointer that no panel or ``nbresume.init``
             shows prints a status line on stderr (log lines when stderr is not a terminal).
         deterministic: make PyTorch's CUDA kernels repeatable (see
-            :func:`nbresume.checkpoint.determinism.enable`), so that a resumed run continues
+            :func:`nbresume.checkpoint.state.determinism.enable`), so that a resumed run continues
             bit for bit on a GPU too; slower. Set it before the first CUDA operation.
         **state: named stateful objects (model, optimizer, scheduler, GradScaler, a
             StatefulDataLoader: anything with ``state_dict()`` and ``load_state_dict()``) and
@@ -280,7 +281,7 @@ class Checkpointer(EpochLoopMixin):
 
     def _strategy(self) -> Strategy:
         """The strategy of this Checkpointer, chosen once: at the first save or restore (see
-        :mod:`nbresume.checkpoint.strategies`)."""
+        :mod:`nbresume.checkpoint.loop.strategies`)."""
         if self._chosen is None:
             self._chosen = choose(_StrategyHost(self))
         return self._chosen
@@ -430,7 +431,7 @@ class Checkpointer(EpochLoopMixin):
 
     def _pending_gradients(self, *, one_process: bool) -> dict[str, dict[str, Any]]:
         """The gradients accumulated since the last optimizer step (see
-        :mod:`nbresume.checkpoint.gradients`); under torch.distributed each rank holds its
+        :mod:`nbresume.checkpoint.state.gradients`); under torch.distributed each rank holds its
         own, which one checkpoint cannot carry: said once."""
         found = gradients.pending(self._objects, self._step_watch)
         if found and not one_process:
@@ -519,8 +520,8 @@ class Checkpointer(EpochLoopMixin):
 
         Under ``torch.distributed``, a signal, a deadline, a request or a failed background
         save seen by any rank counts for all of them, at this same step, through one small
-        agreement (see :mod:`nbresume.checkpoint.distributed`). The time-based cadence is the
-        leading process's, whose clock measures the saves."""
+        agreement (see :mod:`nbresume.checkpoint.parallel.distributed`). The time-based cadence
+        is the leading process's, whose clock measures the saves."""
         try:
             return self._step_boundary(final=final)
         finally:
@@ -802,8 +803,9 @@ def _unhandled() -> object:
 
 
 class _StrategyHost:
-    """What this Checkpointer gives its strategy (:class:`~nbresume.checkpoint.strategies.Host`):
-    the store, the saver and the steps of a save and a restore, and nothing else of it."""
+    """What this Checkpointer gives its strategy
+    (:class:`~nbresume.checkpoint.loop.strategies.Host`): the store, the saver and the steps of a
+    save and a restore, and nothing else of it."""
 
     def __init__(self, ck: Checkpointer) -> None:
         self._ck = ck

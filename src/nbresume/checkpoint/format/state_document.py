@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbresume.checkpoint.tensorfile import _DTYPES, TensorSpec, signature
+from nbresume.checkpoint.format.tensorfile import _DTYPES, TensorSpec, signature
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
 TAG = "$t"
@@ -139,7 +139,7 @@ def unflatten(
 
     Checks every value first: the nesting depth, known tags only, each in its exact form, and
     every tensor the document refers to present in ``tensors`` with the dtype and shape the
-    reference declares (``tensors`` may hold :class:`~nbresume.checkpoint.tensorfile.TensorSpec`
+    reference declares (``tensors`` may hold :class:`~nbresume.checkpoint.format.TensorSpec`
     headers instead of tensors: then only that is checked). Raises
     :class:`CorruptCheckpointError` naming ``where`` (``tensors_where``, the tensor file, for
     a tensor that is missing or differs) and the key (``path`` prefixes it).
@@ -258,7 +258,7 @@ class SavedState:
     ended_early: dict[str, Any] | None = None
     #: Gradients pending between two optimizer steps: ``{optimizer: {"<g>.<i>": tensor}}``.
     gradients: dict[str, Any] = field(default_factory=dict)
-    #: Parameter groups optimizers gained during training (see checkpoint/param_groups.py).
+    #: Parameter groups optimizers gained during training (see checkpoint/state/param_groups.py).
     added_groups: dict[str, Any] = field(default_factory=dict)
 
 
@@ -371,7 +371,7 @@ def decode_state(
 
 def check_added_groups(document: Any) -> bool:
     """Whether ``document`` is a valid ``added_groups`` member (the parameter groups optimizers
-    gained during training: :mod:`~nbresume.checkpoint.param_groups`)."""
+    gained during training: :mod:`~nbresume.checkpoint.state.param_groups`)."""
     return isinstance(document, dict) and all(
         isinstance(entry, dict)
         and isinstance(entry.get("from"), int)
@@ -395,7 +395,7 @@ def check_rng(state: Mapping[str, Any], *, where: str) -> None:
     process's generators (each state is tried on a generator of its own, and the bytes of the
     torch CPU and CUDA states are checked as torch checks them: a CUDA state is applied only
     on a GPU, after the others). Tensors may be NumPy arrays (``verify`` reads them without
-    torch) or :class:`~nbresume.checkpoint.tensorfile.TensorSpec` headers: then only their
+    torch) or :class:`~nbresume.checkpoint.format.TensorSpec` headers: then only their
     dtype and rank are checked."""
 
     try:

@@ -20,7 +20,7 @@ A lease whose holder is gone is taken over, with a warning:
   from a daemon thread, and a lease not renewed for :data:`LEASE_EXPIRY_S` seconds (the
   store's ``lease_expiry_s`` where it sets one: Drive's sync is slower) is stale. This
   compares the holder's clock with ours: clocks must agree to well within the expiry.
-  A lease renewed more than :data:`~nbresume.checkpoint.lease_holder.FUTURE_TOLERANCE_S`
+  A lease renewed more than :data:`~nbresume.checkpoint.store.FUTURE_TOLERANCE_S`
   ahead of our clock (a holder whose clock is wrong) is not judged by its date: the writer
   watches it, and takes it over as stale only if it is not renewed within its expiry by our
   own clock; renewed meanwhile, its holder runs and the writer is refused.
@@ -75,7 +75,7 @@ from typing import Any
 
 from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.backends import Store
-from nbresume.checkpoint.lease_holder import (
+from nbresume.checkpoint.store.lease_holder import (
     FUTURE_TOLERANCE_S,
     LEASE_EXPIRY_S,
     Holder,

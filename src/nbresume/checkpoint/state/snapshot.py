@@ -11,7 +11,7 @@
    written: the files are the same bytes as a copy of the whole state would give.
 
 Writing a snapshot, now or in the background, and reporting the save is
-:mod:`nbresume.checkpoint.saver`'s.
+:mod:`nbresume.checkpoint.loop.saver`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.forksafe import Workers
-from nbresume.checkpoint.state import STATE_VERSION, capture_rng, flatten
+from nbresume.checkpoint.format import STATE_VERSION, capture_rng, flatten
 
 log = logging.getLogger("nbresume")
 
@@ -37,7 +37,7 @@ GRADIENTS_GROUP = "gradients"
 
 class Snapshot:
     """Everything one checkpoint holds, detached from the live training objects (its tensors
-    are the live ones until :meth:`~nbresume.checkpoint.saver.Saver.mirror` copies them:
+    are the live ones until :meth:`~nbresume.checkpoint.loop.saver.Saver.mirror` copies them:
     ``live``)."""
 
     def __init__(self, step: int, tensors: dict[str, dict[str, Any]], state: dict[str, Any],

@@ -1,6 +1,6 @@
 """The verified checkpoint store: write, commit, verify, keep, load.
 
-The commit protocol (the code of :mod:`~nbresume.checkpoint.pending` does exactly this, in
+The commit protocol (the code of :mod:`~nbresume.checkpoint.store.pending` does exactly this, in
 this order, for every checkpoint the package writes; :meth:`CheckpointStore.save` is its
 shortest use):
 
@@ -12,7 +12,7 @@ shortest use):
 3. Write every payload file from the bytes in memory, hashing the same bytes (XXH3-128 piece
    by piece as it is written; SHA-256 and MD5, for stores that compare MD5s such as Google
    Drive, in threads of their own), and make each file durable
-   (:mod:`~nbresume.checkpoint.hashing`). The bytes are not changed during a save: a
+   (:mod:`~nbresume.checkpoint.store.hashing`). The bytes are not changed during a save: a
    synchronous save holds the training thread, an asynchronous one writes host copies that
    nothing else touches. GPU tensors too large to copy to the host whole come through a few
    small staging buffers, piece by piece (``stage=``); such a file is re-hashed in 6. On a
@@ -29,7 +29,7 @@ shortest use):
    into the manifest (this proves what re-hashing would, at the speed of memory); files that
    were not written from memory are re-hashed. Only now is the checkpoint reported as saved.
    ``verify()`` and ``load()``, which have no copy in memory, re-hash every byte
-   (:mod:`~nbresume.checkpoint.reading`).
+   (:mod:`~nbresume.checkpoint.store.reading`).
 7. Retention: delete checkpoints beyond the policy, oldest first, each withdrawn from view in
    one step (a rename on POSIX, the manifest first on object stores), so a kill at any moment
    leaves only whole checkpoints. On POSIX the renamed folder's files are removed in the
@@ -47,7 +47,6 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from nbresume.checkpoint import reading
 from nbresume.checkpoint.arguments import (
     check_bool,
     check_keep,
@@ -56,10 +55,16 @@ from nbresume.checkpoint.arguments import (
 )
 from nbresume.checkpoint.backends import Store, check_location, open_store, wait_for_removals
 from nbresume.checkpoint.format import FileEntry, Manifest
-from nbresume.checkpoint.hashing import default_hash, read_header
-from nbresume.checkpoint.info import CheckpointInfo, LoadedCheckpoint, VerifyReport, VerifyResult
-from nbresume.checkpoint.pending import PendingCheckpoint, encode, size_of
-from nbresume.checkpoint.reading import verify_folder
+from nbresume.checkpoint.store import reading
+from nbresume.checkpoint.store.hashing import default_hash, read_header
+from nbresume.checkpoint.store.info import (
+    CheckpointInfo,
+    LoadedCheckpoint,
+    VerifyReport,
+    VerifyResult,
+)
+from nbresume.checkpoint.store.pending import PendingCheckpoint, encode, size_of
+from nbresume.checkpoint.store.reading import verify_folder
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
@@ -101,7 +106,7 @@ class CheckpointStore:
         self.keep_best = _check_keep_best(keep_best, call)
         md5 = check_bool(call, "md5", md5)
         self.check_space = check_bool(call, "check_space", check_space)
-        #: The hash asked for (``None``: :func:`nbresume.checkpoint.hashing.default_hash`).
+        #: The hash asked for (``None``: :func:`nbresume.checkpoint.store.default_hash`).
         self.hash = None if hash is None else default_hash(hash)
         storage_options = check_storage_options(call, storage_options)
         if isinstance(location, Store):
@@ -259,7 +264,7 @@ class CheckpointStore:
         onto those devices (a restore into objects on a GPU).
 
         ``fits`` checks each candidate as its tensor files' headers describe it, before their
-        tensors are read (:func:`~nbresume.checkpoint.reading.load_folder`): one that does
+        tensors are read (:func:`~nbresume.checkpoint.store.reading.load_folder`): one that does
         not fit is passed over as ``check`` passes it over, without taking memory for the
         tensors it declares.
         """

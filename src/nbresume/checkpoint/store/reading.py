@@ -34,8 +34,6 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
-from nbresume.checkpoint import lightning_format, tensorfile
-from nbresume.checkpoint import state as state_document
 from nbresume.checkpoint.backends import (
     READ_CHUNK,
     Store,
@@ -49,10 +47,13 @@ from nbresume.checkpoint.format import (
     MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
+    lightning_format,
     parse_manifest,
     parse_step_dirname,
+    state_document,
+    tensorfile,
 )
-from nbresume.checkpoint.hashing import (
+from nbresume.checkpoint.store.hashing import (
     THREAD_MIN_BYTES,
     Buffer,
     Digests,
@@ -64,7 +65,7 @@ from nbresume.checkpoint.hashing import (
     read_hashing,
     read_unsized,
 )
-from nbresume.checkpoint.info import LoadedCheckpoint, VerifyResult
+from nbresume.checkpoint.store.info import LoadedCheckpoint, VerifyResult
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 
 
@@ -497,7 +498,7 @@ def decode_state(
     when the checkpoint has none: a store user's own files). A ``state.json`` next to an
     ``rng.safetensors`` is a Checkpointer's whatever it holds, so that a document replaced
     by something else entirely is refused here too. A Lightning checkpoint's document is
-    checked as its load checks it (:mod:`~nbresume.checkpoint.lightning_format`)."""
+    checked as its load checks it (:mod:`~nbresume.checkpoint.format.lightning_format`)."""
     folder = where.rsplit("/", 1)[0]
     if lightning_format.is_lightning(documents, folder):
         lightning_format.decode(
@@ -544,7 +545,7 @@ def load_folder(
     files named in ``devices`` are read onto those devices (:func:`read_verified`).
 
     ``fits`` is first called with the checkpoint as its headers describe it (its JSON files
-    read and verified, each tensor a :class:`~nbresume.checkpoint.tensorfile.TensorSpec`):
+    read and verified, each tensor a :class:`~nbresume.checkpoint.format.TensorSpec`):
     a CheckpointError it raises that is no CorruptCheckpointError (the checkpoint does not
     fit the objects it is for) is raised as :class:`Unfit` before any memory is taken for
     the tensors, whatever the size the headers declare."""

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from nbresume.checkpoint import procfs
-from nbresume.checkpoint.health import DataWait
+from nbresume.checkpoint.state.health import DataWait
 from nbresume.errors import UsageError
 
 log = logging.getLogger("nbresume")
@@ -546,7 +546,7 @@ def _stream_ended_early(epoch: int, batches: int, position: int) -> UsageError:
 
 class EpochLoop(Protocol):
     """What a :class:`ResumableLoader` tells the loop of :meth:`Checkpointer.epochs` about
-    the batches it hands out (see :mod:`nbresume.checkpoint.checkpointer`)."""
+    the batches it hands out (see :mod:`nbresume.checkpoint.loop.checkpointer`)."""
 
     epoch: int
 

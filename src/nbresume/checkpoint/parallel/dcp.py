@@ -2,11 +2,11 @@
 
 Protocol: DCP plans which rank writes and reads which shard; the storage writer here puts a
 rank's shards into the pending checkpoint as one safetensors file and one JSON file (each
-durable and hashed by :class:`~nbresume.checkpoint.pending.PendingCheckpoint`), and the
+durable and hashed by :class:`~nbresume.checkpoint.store.PendingCheckpoint`), and the
 metadata, DCP's own pickled object, as strict JSON. The storage reader reads each file it
 needs once, checks it against the manifest before it parses a byte of it, and hands DCP only
 those verified bytes. The ranks exchange bytes in tensor collectives, never pickled.
-:mod:`nbresume.checkpoint.sharded` runs the save and the load on top of this.
+:mod:`nbresume.checkpoint.parallel.sharded` runs the save and the load on top of this.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
-from nbresume.checkpoint import distributed, tensorfile
-from nbresume.checkpoint.format import FileEntry, Manifest, check_version
-from nbresume.checkpoint.pending import PendingCheckpoint
-from nbresume.checkpoint.reading import parse_json
-from nbresume.checkpoint.state import flatten, unflatten
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.format import (
+    FileEntry,
+    Manifest,
+    check_version,
+    flatten,
+    tensorfile,
+    unflatten,
+)
+from nbresume.checkpoint.parallel import distributed
+from nbresume.checkpoint.store import CheckpointStore, PendingCheckpoint, parse_json
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:

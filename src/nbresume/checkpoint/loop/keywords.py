@@ -26,10 +26,15 @@ from nbresume.checkpoint.arguments import (
     show,
 )
 from nbresume.checkpoint.backends import Store, check_location
-from nbresume.checkpoint.cadence import parse_every
-from nbresume.checkpoint.deadline import check_deadline
-from nbresume.checkpoint.generators import is_generator
-from nbresume.checkpoint.snapshot import GRADIENTS_GROUP, RNG_GROUP, STATE_FILE, VALUES_GROUP
+from nbresume.checkpoint.loop.cadence import parse_every
+from nbresume.checkpoint.loop.deadline import check_deadline
+from nbresume.checkpoint.state import (
+    GRADIENTS_GROUP,
+    RNG_GROUP,
+    STATE_FILE,
+    VALUES_GROUP,
+    is_generator,
+)
 from nbresume.errors import UsageError
 
 #: Names the checkpoint uses for its own files and groups.

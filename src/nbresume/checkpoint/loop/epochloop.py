@@ -1,7 +1,7 @@
 """The loop of :meth:`Checkpointer.epochs` and what wrapped loaders tell it.
 
-The protocol (:class:`nbresume.checkpoint.data.EpochLoop`, implemented here for the
-Checkpointer): a :class:`~nbresume.checkpoint.data.ResumableLoader` reports to the
+The protocol (:class:`nbresume.checkpoint.state.data.EpochLoop`, implemented here for the
+Checkpointer): a :class:`~nbresume.checkpoint.state.ResumableLoader` reports to the
 Checkpointer when a pass over its data begins (``_begin_pass``), when it is asked for a batch
 (``_wants_batch``, where the step it handed out a batch in ends and an owed step boundary
 runs), when it hands one out (``_batch_given``) and when its consumer leaves the pass early
@@ -19,14 +19,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from nbresume.checkpoint.arguments import check_int
-from nbresume.checkpoint.data import ResumableLoader
+from nbresume.checkpoint.state import ResumableLoader
 from nbresume.errors import UsageError
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from nbresume.checkpoint.cadence import Cadence
-    from nbresume.checkpoint.gradients import StepWatch
+    from nbresume.checkpoint.loop.cadence import Cadence
+    from nbresume.checkpoint.state import StepWatch
 
 
 class EpochState:
@@ -48,7 +48,7 @@ class EpochState:
 
 
 class EpochLoopMixin:
-    """The epoch loop of :class:`~nbresume.checkpoint.checkpointer.Checkpointer`."""
+    """The epoch loop of :class:`~nbresume.checkpoint.loop.Checkpointer`."""
 
     if TYPE_CHECKING:  # what the Checkpointer provides
         step: int

@@ -1,6 +1,6 @@
 """Stopping cleanly: the signals that ask a loop to save and stop, and the deadline's margin.
 
-Shared by the :class:`~nbresume.checkpoint.checkpointer.Checkpointer` and by the watch that
+Shared by the :class:`~nbresume.checkpoint.loop.Checkpointer` and by the watch that
 framework integrations use (:mod:`nbresume.frameworks.watch`), so that both stop for the same
 signals and leave the same time before a deadline.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from nbresume.checkpoint.cadence import Cadence
+from nbresume.checkpoint.loop.cadence import Cadence
 
 #: The signals that ask a running loop to save at the next step boundary and stop.
 STOP_SIGNALS: list[signal.Signals] = [signal.SIGTERM, signal.SIGINT] + (

@@ -39,7 +39,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
-from nbresume.checkpoint import tensorfile
 from nbresume.checkpoint.backends import READ_CHUNK, Store
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
@@ -48,10 +47,17 @@ from nbresume.checkpoint.format import (
     Manifest,
     is_valid_file_name,
     step_dirname,
+    tensorfile,
 )
-from nbresume.checkpoint.hashing import Digests, DurableCloser, Streamed, default_hash, write_files
-from nbresume.checkpoint.info import CheckpointInfo
-from nbresume.checkpoint.reading import verify_folder
+from nbresume.checkpoint.store.hashing import (
+    Digests,
+    DurableCloser,
+    Streamed,
+    default_hash,
+    write_files,
+)
+from nbresume.checkpoint.store.info import CheckpointInfo
+from nbresume.checkpoint.store.reading import verify_folder
 from nbresume.checkpoint.units import format_bytes
 from nbresume.checkpoint.version import __version__
 from nbresume.errors import (

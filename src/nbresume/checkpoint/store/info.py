@@ -6,8 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbresume.checkpoint import state as state_document
-from nbresume.checkpoint.format import Manifest
+from nbresume.checkpoint.format import Manifest, state_document
 from nbresume.checkpoint.units import format_bytes
 
 
