@@ -18,8 +18,9 @@ import pytest
 
 from nbresume.checkpoint.store import CheckpointStore
 
-SCRIPT = Path(__file__).with_name("fork_while_locked.py")
-SOURCE = Path(__file__).parents[1] / "src" / "nbresume"
+TESTS = Path(__file__).resolve().parents[1]
+SCRIPT = TESTS / "fork_while_locked.py"
+SOURCE = TESTS.parent / "src" / "nbresume"
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform cannot fork")

@@ -26,7 +26,7 @@ import json, os, sys
 import torch
 import nbresume
 from nbresume import Checkpointer
-from nbresume.checkpoint import determinism
+from nbresume.checkpoint.state import determinism
 
 where = sys.argv[1]
 facts = {"before": determinism.enabled()}

@@ -24,7 +24,8 @@ from tests.test_golden import expected_tensors
 from nbresume import CheckpointStore, CorruptCheckpointError, UsageError
 from nbresume.checkpoint.format import MANIFEST_NAME, FileEntry, parse_manifest, step_dirname
 
-GOLDEN_V1_1 = Path(__file__).parent / "golden" / "v1.1"
+TESTS = Path(__file__).resolve().parents[2]
+GOLDEN_V1_1 = TESTS / "golden" / "v1.1"
 
 
 def manifest_of(root: Path, step: int) -> dict:
@@ -149,7 +150,7 @@ except CheckpointError as exc:
 
 def test_without_xxhash_nbresume_saves_sha256_and_names_the_fix(tmp_path: Path) -> None:
     save_one(CheckpointStore(tmp_path, keep=None), 1)  # XXH3-128
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src")}
     env.pop("NBRESUME_HASH", None)
     done = subprocess.run(
         [sys.executable, "-c", _WITHOUT_XXHASH, str(tmp_path), "2", "1"],

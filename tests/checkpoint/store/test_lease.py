@@ -31,7 +31,7 @@ from nbresume.checkpoint.store import LEASE_NAME, this_process
 from nbresume.cli import main as cli_main
 from nbresume.errors import CheckpointError, FolderInUseError, LeaseLostError, StorageError
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[2]
 
 # A training run as a user writes it: a Checkpointer that saves every step and keeps three.
 # It prints each checkpoint it reports saved, trains until `total` or until the stop file
@@ -95,7 +95,7 @@ class Writer:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, **(env or {}), "NBRESUME_TESTS": str(HERE)},
+            env={**os.environ, **(env or {}), "NBRESUME_TESTS": str(TESTS)},
         )  # fmt: skip
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -617,11 +617,11 @@ def test_on_an_object_store_a_folder_in_the_lease_files_place_is_named_with_the_
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback, a fresh bucket, and what a client needs to reach it."""
     pytest.importorskip("moto")
-    sys.path.insert(0, str(HERE / "contract"))
+    sys.path.insert(0, str(TESTS / "contract"))
     try:
         from backends import FAKE_AWS_ENV, loopback_only, start_moto_server
     finally:
-        sys.path.remove(str(HERE / "contract"))
+        sys.path.remove(str(TESTS / "contract"))
     import s3fs
 
     home = tmp_path_factory.mktemp("moto")

@@ -6,8 +6,8 @@ The model is a LoRA-style adapter on frozen Linear layers: each layer ``y = W x 
 ``B`` (d x r). The size test uses d = 512 and r = 13: 4.8 % of the parameters train; the
 other tests use a smaller one, to stay fast.
 
-Run as a script (``python tests/test_trainable.py DIR TOTAL``), this file is the child that the
-kill test starts: it trains with ``trainable_only=True``, saving every step.
+Run as a script (``python tests/checkpoint/state/test_trainable.py DIR TOTAL``), this file is the
+child that the kill test starts: it trains with ``trainable_only=True``, saving every step.
 """
 
 from __future__ import annotations
