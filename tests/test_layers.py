@@ -318,8 +318,8 @@ def test_no_module_outside_the_store_uses_its_private_members() -> None:
 
 
 def test_no_module_outside_the_checkpointer_uses_its_private_members() -> None:
-    classes = classes_in(CHECKPOINTER_MODULES, ("Checkpointer", "EpochLoopMixin"))
-    assert set(classes) == {"Checkpointer", "EpochLoopMixin"}
+    classes = classes_in(CHECKPOINTER_MODULES, ("Checkpointer", "Epochs"))
+    assert set(classes) == {"Checkpointer", "Epochs"}
     found = private_uses(private_members(classes, CHECKPOINTER_MODULES), CHECKPOINTER_MODULES)
     problem = "private members of the Checkpointer used outside it"
     assert not found, problem + ":\n" + "\n".join(found)

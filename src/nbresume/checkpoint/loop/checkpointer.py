@@ -40,7 +40,7 @@ from nbresume.checkpoint.loop import stops
 from nbresume.checkpoint.loop.cadence import Cadence
 from nbresume.checkpoint.loop.deadline import resolve_deadline
 from nbresume.checkpoint.loop.durability import Confirmation, DurabilityWatcher, confirm
-from nbresume.checkpoint.loop.epochloop import EpochLoopMixin
+from nbresume.checkpoint.loop.epochloop import Epochs
 from nbresume.checkpoint.loop.keywords import (
     check_arguments,
     check_name,
@@ -75,7 +75,7 @@ from nbresume.errors import FolderInUseError, LeaseLostError, StorageError, Usag
 log = logging.getLogger("nbresume")
 
 
-class Checkpointer(EpochLoopMixin):
+class Checkpointer:
     """Save and resume full training state, exactly.
 
     Args:
@@ -166,6 +166,8 @@ class Checkpointer(EpochLoopMixin):
         self._explicit_deadline = deadline not in (None, "auto")
         self._keep_best = keep_best
         self._objects: dict[str, Any] = {}
+        #: The loop of epochs(), and what the wrapped loaders tell it.
+        self._epoch_loop = Epochs(self)
         #: Which registered optimizers stepped in the running step (pending gradients).
         self._step_watch = gradients.StepWatch()
         #: The parameter groups each optimizer had when registered, by id.
@@ -250,14 +252,14 @@ class Checkpointer(EpochLoopMixin):
             if isinstance(value, ResumableLoader) and (
                 dataloader is None or value.loader is dataloader
             ):
-                value._on_batch = self
+                value._on_batch = self._epoch_loop
                 return value
         if dataloader is None:
             raise UsageError("no DataLoader was given to the Checkpointer", fix="ckpt.loader(dl)")
-        made_in = self._refuse_a_remade_loader(dataloader)
+        made_in = self._epoch_loop.refuse_a_remade_loader(dataloader)
         name = "loader" if "loader" not in self._objects else f"loader{len(self._objects)}"
         wrapped = ResumableLoader(dataloader, seed=seed)
-        wrapped._on_batch = self
+        wrapped._on_batch = self._epoch_loop
         wrapped._created_in = made_in
         self._objects[name] = wrapped
         if name in self._pending_objects:
@@ -362,9 +364,9 @@ class Checkpointer(EpochLoopMixin):
             )
         block = check_bool("Checkpointer.save", "block", block)
         metrics = self._metrics(metric)
-        if self._stopping_in_body():
+        if self._epoch_loop.stopping_in_body():
             return self.store.latest()  # the stop's checkpoint is the one to continue from
-        current_step, epoch = self._position()
+        current_step, epoch = self._epoch_loop.position()
         step = current_step if step is None else step
         background = self.async_save and not block
         return self._save_at(step, epoch, metrics, background=background)
@@ -466,6 +468,28 @@ class Checkpointer(EpochLoopMixin):
 
     # -- the loops -------------------------------------------------------------------------
 
+    def epochs(self, count: int) -> Iterator[int]:
+        """Yield epoch indices from where the restored checkpoint ended up to ``count``.
+
+        Iterate ``ckpt.loader(dataloader)`` inside (wrapped before the loop or inside it,
+        given to the constructor, in ``enumerate``, in ``zip``): every batch a wrapped loader
+        hands out belongs to a step, and saves happen at step boundaries as in :meth:`steps`.
+        A step ends when a wrapped loader that already handed out a batch in it is asked for
+        another (so ``zip`` of two loaders makes one step per pair), when such a loader is
+        left (``break``), or when the body of the epoch ends. Each wrapped loader makes one
+        pass per epoch; a pass left early ends there, and the next epoch starts the loader's
+        next epoch of data. An epoch in which no wrapped loader hands out a batch is one step.
+        ``count`` is a whole number of epochs, 0 or more.
+        """
+        count = check_int(
+            "Checkpointer.epochs",
+            "count",
+            count,
+            minimum=0,
+            fix="ckpt.epochs(90) runs the epochs up to 90 that are left",
+        )
+        return self._epoch_loop.run(count)  # a generator of its own: a bad count is refused here
+
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the restored checkpoint ended up to ``total``.
 
@@ -491,18 +515,18 @@ class Checkpointer(EpochLoopMixin):
             return
         self.done = False  # a finished run given a larger total is unfinished again
         self._hold_lease()
-        self._epochs = None  # wrapped loaders hand out batches as they are asked, uncounted
+        self._epoch_loop.state = None  # wrapped loaders hand out batches as asked, uncounted
         with self._loop(("steps", total)):
             while True:
                 started = time.monotonic()
-                self._body = "step"
+                self._epoch_loop.body = "step"
                 self._step_watch.step_begins()
                 try:
                     yield self.step
                 except GeneratorExit:
                     self._note_left()
                     raise
-                self._body = None
+                self._epoch_loop.body = None
                 self.step += 1
                 self.cadence.observe_step(time.monotonic() - started)
                 if self._boundary(final=self.step >= total):
@@ -630,7 +654,7 @@ class Checkpointer(EpochLoopMixin):
         """The loop's generator is closed while its body runs: the body was left (``break``,
         or an exception; CPython closes it at once). close() decides which it was."""
         if self._left_at is None:
-            self._left_at = self._position()
+            self._left_at = self._epoch_loop.position()
 
     def _end_left_loop(self) -> None:
         """At close() (or the interpreter's exit): a loop body left by ``break`` is the run's
@@ -653,7 +677,7 @@ class Checkpointer(EpochLoopMixin):
                 return
             except (OSError, StorageError):
                 pass  # the save itself reports what is wrong with the folder
-        self._body = None
+        self._epoch_loop.body = None
         loop, bound = self._loop_bound
         step, epoch = left
         self.step, self.epoch = step, epoch
@@ -697,7 +721,7 @@ class Checkpointer(EpochLoopMixin):
             return
         self._in_loop = True
         self._stop_signal = None
-        self._batch_started = None
+        self._epoch_loop.batch_started = None
 
         def request(signum: int, frame: FrameType | None) -> None:
             if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
@@ -816,7 +840,7 @@ class _StrategyHost:
         self.apply_plan = ck._apply_plan
         self.any_committed = ck._any_committed
         self.sharded_objects = ck._sharded_objects
-        self.wrapped_loaders = ck._wrapped_loaders
+        self.wrapped_loaders = ck._epoch_loop.wrapped_loaders
 
     @property
     def step(self) -> int:

@@ -1,14 +1,16 @@
 """The loop of :meth:`Checkpointer.epochs` and what wrapped loaders tell it.
 
-The protocol (:class:`nbresume.checkpoint.state.data.EpochLoop`, implemented here for the
-Checkpointer): a :class:`~nbresume.checkpoint.state.ResumableLoader` reports to the
-Checkpointer when a pass over its data begins (``_begin_pass``), when it is asked for a batch
+A Checkpointer holds one :class:`Epochs`, given the little of the Checkpointer it uses
+(:class:`Host`: the counters, the cadence, the registered objects, the step boundary). The
+protocol (:class:`nbresume.checkpoint.state.data.EpochLoop`, implemented here): a
+:class:`~nbresume.checkpoint.state.ResumableLoader` reports to the epoch loop when a pass over
+its data begins (``_begin_pass``), when it is asked for a batch
 (``_wants_batch``, where the step it handed out a batch in ends and an owed step boundary
 runs), when it hands one out (``_batch_given``) and when its consumer leaves the pass early
 (``_pass_left``, settled at the next of those points). Every batch belongs to a step; a step
 ends when a loader that already handed out a batch in it is asked for another, when such a
-loader is left, or when the body of the epoch ends. :meth:`EpochLoopMixin._position` says
-which (step, epoch) a save made now records, inside either loop's body.
+loader is left, or when the body of the epoch ends. :meth:`Epochs.position` says which (step,
+epoch) a save made now records, inside either loop's body.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from nbresume.checkpoint.arguments import check_int
 from nbresume.checkpoint.state import ResumableLoader
 from nbresume.errors import UsageError
 
@@ -47,30 +48,40 @@ class EpochState:
         self.requesting = False
 
 
-class EpochLoopMixin:
-    """The epoch loop of :class:`~nbresume.checkpoint.loop.Checkpointer`."""
+class Host(Protocol):
+    """What the epoch loop uses of its :class:`~nbresume.checkpoint.loop.Checkpointer`."""
 
-    if TYPE_CHECKING:  # what the Checkpointer provides
-        step: int
-        epoch: int
-        total: int | None
-        done: bool
-        stop_reason: str
-        cadence: Cadence
-        _objects: dict[str, Any]
+    step: int
+    epoch: int
+    total: int | None
+    done: bool
+    stop_reason: str
+    cadence: Cadence
+    _objects: dict[str, Any]
+    _step_watch: StepWatch
 
-        def restore(self) -> int: ...
-        def _hold_lease(self) -> None: ...
-        def _loop(self, bound: tuple[str, int]) -> AbstractContextManager[None]: ...
-        def _ends_here(self, loop: str, bound: int) -> bool: ...
-        def _note_left(self) -> None: ...
+    def restore(self) -> int: ...
+    def _hold_lease(self) -> None: ...
+    def _loop(self, bound: tuple[str, int]) -> AbstractContextManager[None]: ...
+    def _ends_here(self, loop: str, bound: int) -> bool: ...
+    def _note_left(self) -> None: ...
+    def _boundary(self, *, final: bool) -> bool: ...
+    def _finish(self) -> None: ...
 
-        _step_watch: StepWatch
 
-        def _boundary(self, *, final: bool) -> bool: ...
-        def _finish(self) -> None: ...
+class Epochs:
+    """The epoch loop of a :class:`~nbresume.checkpoint.loop.Checkpointer` (its ``host``)."""
 
-    def _position(self) -> tuple[int, int]:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.loops_started = 0
+        #: The running epochs() loop, while it runs.
+        self.state: EpochState | None = None
+        self.batch_started: float | None = None
+        #: Which loop body runs now ("step" or "epoch"), between a yield and the next boundary.
+        self.body: str | None = None
+
+    def position(self) -> tuple[int, int]:
         """The (step, epoch) a save made now records.
 
         Inside a loop body the body's own step counts as done: ``save()`` there is meant to
@@ -79,117 +90,89 @@ class EpochLoopMixin:
         ``epochs()``, once every wrapped loader used in the epoch has ended its pass and none
         is partway through its data, the save is the checkpoint of the end of the epoch.
         """
-        step, epoch = self.step, self.epoch
-        if self._body == "step":
+        step, epoch = self.host.step, self.host.epoch
+        if self.body == "step":
             return step + 1, epoch
-        state = self._epochs
-        if self._body == "epoch" and state is not None:
-            loaders = self._wrapped_loaders()
+        state = self.state
+        if self.body == "epoch" and state is not None:
+            loaders = self.wrapped_loaders()
             if not loaders:
                 return step + 1, epoch + 1  # an epoch is the step unit
             if state.requesting:
                 return step, epoch  # at a step boundary where a loader is asked for data
             self._settle(state)  # a pass left by a break ends here, before its state is taken
-            step = self.step + (1 if state.step else 0)  # inside a step: that step's
+            step = self.host.step + (1 if state.step else 0)  # inside a step: that step's
             finished = any(loader.finished_in == epoch for loader in loaders)
             partway = any(loader.finished_in != epoch and loader.position > 0 for loader in loaders)
             if finished and not partway:
                 epoch += 1  # after the epoch's data
         return step, epoch
 
-    def epochs(self, count: int) -> Iterator[int]:
-        """Yield epoch indices from where the restored checkpoint ended up to ``count``.
-
-        Iterate ``ckpt.loader(dataloader)`` inside (wrapped before the loop or inside it,
-        given to the constructor, in ``enumerate``, in ``zip``): every batch a wrapped loader
-        hands out belongs to a step, and saves happen at step boundaries as in :meth:`steps`.
-        A step ends when a wrapped loader that already handed out a batch in it is asked for
-        another (so ``zip`` of two loaders makes one step per pair), when such a loader is
-        left (``break``), or when the body of the epoch ends. Each wrapped loader makes one
-        pass per epoch; a pass left early ends there, and the next epoch starts the loader's
-        next epoch of data. An epoch in which no wrapped loader hands out a batch is one step.
-        ``count`` is a whole number of epochs, 0 or more.
-        """
-        count = check_int(
-            "Checkpointer.epochs",
-            "count",
-            count,
-            minimum=0,
-            fix="ckpt.epochs(90) runs the epochs up to 90 that are left",
-        )
-        return self._epochs_of(count)  # a generator of its own: a bad count is refused here
-
-    def _epochs_of(self, count: int) -> Iterator[int]:
-        self.restore()
-        self.total = None
-        if self.epoch >= count or self._ends_here("epochs", count):
-            self.done = True
+    def run(self, count: int) -> Iterator[int]:
+        """The loop of ``Checkpointer.epochs(count)``."""
+        self.host.restore()
+        self.host.total = None
+        if self.host.epoch >= count or self.host._ends_here("epochs", count):
+            self.host.done = True
             return
-        self.done = False
-        self._hold_lease()
-        self._loops_started += 1
-        state = EpochState(self._loops_started)
-        self._epochs = state
-        for loader in self._wrapped_loaders():
+        self.host.done = False
+        self.host._hold_lease()
+        self.loops_started += 1
+        state = EpochState(self.loops_started)
+        self.state = state
+        for loader in self.wrapped_loaders():
             loader._on_batch = self  # loaders wrapped later are attached by loader()
-        with self._loop(("epochs", count)):
+        with self.host._loop(("epochs", count)):
             try:
-                while self.epoch < count:
+                while self.host.epoch < count:
                     started = time.monotonic()
-                    self._body = "epoch"
-                    self._step_watch.step_begins()  # the epoch is the step without loaders
+                    self.body = "epoch"
+                    self.host._step_watch.step_begins()  # the epoch is the step without loaders
                     try:
-                        yield self.epoch
+                        yield self.host.epoch
                     except GeneratorExit:
-                        self._note_left()
+                        self.host._note_left()
                         raise
-                    self._body = None
-                    if self.stop_reason:
+                    self.body = None
+                    if self.host.stop_reason:
                         return
                     self._end_epoch(state, started)
-                    if self._boundary(final=self.epoch >= count):
+                    if self.host._boundary(final=self.host.epoch >= count):
                         return
             finally:
-                if self._epochs is state:  # not a loop started since (a generator closed late)
-                    self._epochs = None
-                    self._body = None
-        self._finish()
+                if self.state is state:  # not a loop started since (a generator closed late)
+                    self.state = None
+                    self.body = None
+        self.host._finish()
 
     # How a wrapped loader reports to the epoch loop (data.EpochLoop). Step boundaries run
     # only where the loop's own thread is in nbresume's code: when a loader is asked for a
     # batch, at the end of the body, in save(). A pass left at its yield (break) is only
     # noted when it happens and settled at the next of those points.
 
-    _loops_started = 0
-    #: The running epochs() loop, while it runs.
-    _epochs: EpochState | None = None
-    _batch_started: float | None = None
-    #: Which loop body runs now ("step" or "epoch"), between a yield and the next boundary.
-    _body: str | None = None
-
-    def _stopping_in_body(self) -> bool:
+    def stopping_in_body(self) -> bool:
         """Whether the epoch loop saved and is stopping while its body still runs. The rest
         of the body (validation, a per-epoch scheduler step) runs again in the resumed epoch,
         so a save() there would record its effects twice: it is skipped."""
-        state = self._epochs
+        state = self.state
         return (
-            self._body == "epoch"
-            and bool(self.stop_reason)
+            self.body == "epoch"
+            and bool(self.host.stop_reason)
             and state is not None
             and not state.requesting  # the stop's own save, at a loader's request
         )
 
-    def _wrapped_loaders(self) -> list[ResumableLoader]:
-        return [o for o in self._objects.values() if isinstance(o, ResumableLoader)]
+    def wrapped_loaders(self) -> list[ResumableLoader]:
+        return [o for o in self.host._objects.values() if isinstance(o, ResumableLoader)]
 
     def _in_epoch_body(self) -> bool:
-        return self._body == "epoch" and self._epochs is not None
+        return self.body == "epoch" and self.state is not None
 
     def _begin_pass(self, loader: ResumableLoader) -> tuple[int, int] | None:
         """A pass over ``loader`` begins: its key (the loop and the epoch), or ``None``
         outside the body of an epoch loop, where the loader hands out batches uncounted."""
-        state = self._epochs
-        if state is None or self._body != "epoch":
+        state = self.state
+        if state is None or self.body != "epoch":
             return None
         if threading.current_thread() is not state.thread:
             raise UsageError(
@@ -199,10 +182,10 @@ class EpochLoopMixin:
                 "training, so the saved position would count batches never trained on "
                 "(DataLoader(num_workers=N) already loads in parallel)",
             )
-        key = (state.id, self.epoch)
+        key = (state.id, self.host.epoch)
         if loader._pass_key == key:
             raise UsageError(
-                f"a wrapped loader was iterated a second time in epoch {self.epoch} of "
+                f"a wrapped loader was iterated a second time in epoch {self.host.epoch} of "
                 "ckpt.epochs(); each wrapped loader makes one pass over its data per epoch",
                 fix="iterate it once per epoch (to cap an epoch, break out of that one loop); "
                 "for several passes per epoch, use ckpt.steps(total) with loader.batches()",
@@ -213,14 +196,14 @@ class EpochLoopMixin:
     def _wants_batch(self, loader: ResumableLoader, key: tuple[int, int], exhausted: bool) -> bool:
         """``loader`` is asked for a batch (``exhausted``: its data epoch has none left).
         Ends the step it handed out a batch in, and runs the boundary owed; True: stop."""
-        state = self._epochs
-        if state is None or self._body != "epoch" or key != (state.id, self.epoch):
+        state = self.state
+        if state is None or self.body != "epoch" or key != (state.id, self.host.epoch):
             raise UsageError(
                 "an iterator over a wrapped loader was used after the epoch it was made in",
                 fix="iterate the loader anew in each epoch (for batch in loader: ...) rather "
                 "than keeping an iterator from one epoch to the next",
             )
-        if self.stop_reason:
+        if self.host.stop_reason:
             return True  # stopped (and saved) earlier in this body: no more batches
         self._settle(state)
         if id(loader) in state.step:
@@ -233,21 +216,21 @@ class EpochLoopMixin:
         state.owed = False
         state.requesting = True
         try:
-            return self._boundary(final=False)
+            return self.host._boundary(final=False)
         finally:
             state.requesting = False
 
     def _batch_given(self, loader: ResumableLoader) -> None:
-        state = self._epochs
+        state = self.state
         assert state is not None
         if not state.step:  # the first batch of a step: the step begins
-            self._step_watch.step_begins()
+            self.host._step_watch.step_begins()
         state.step.add(id(loader))
         state.batches += 1
 
     def _pass_left(self, loader: ResumableLoader, key: tuple[int, int]) -> None:
-        state = self._epochs  # any thread (a generator closed by the garbage collector)
-        if state is not None and key == (state.id, self.epoch):
+        state = self.state  # any thread (a generator closed by the garbage collector)
+        if state is not None and key == (state.id, self.host.epoch):
             state.left.append(loader)
 
     def _settle(self, state: EpochState) -> None:
@@ -257,15 +240,15 @@ class EpochLoopMixin:
         for loader in left:
             if id(loader) in state.step:
                 self._end_step(state)
-            if loader.finished_in != self.epoch:
-                loader._end_pass(self.epoch)
+            if loader.finished_in != self.host.epoch:
+                loader._end_pass(self.host.epoch)
 
     def _end_step(self, state: EpochState) -> None:
         now = time.monotonic()
-        self.step += 1
-        if self._batch_started is not None:
-            self.cadence.observe_step(now - self._batch_started)
-        self._batch_started = now
+        self.host.step += 1
+        if self.batch_started is not None:
+            self.host.cadence.observe_step(now - self.batch_started)
+        self.batch_started = now
         state.step.clear()
         state.owed = True
 
@@ -276,38 +259,38 @@ class EpochLoopMixin:
         self._settle(state)
         if state.step:
             self._end_step(state)
-        for loader in self._wrapped_loaders():
-            if loader.finished_in != self.epoch and loader.position > 0:
-                loader._end_pass(self.epoch)
+        for loader in self.wrapped_loaders():
+            if loader.finished_in != self.host.epoch and loader.position > 0:
+                loader._end_pass(self.host.epoch)
         if not state.batches:
-            self.step += 1  # no wrapped loader handed out a batch: the epoch is the step
-            self.cadence.observe_step(time.monotonic() - started)
+            self.host.step += 1  # no wrapped loader handed out a batch: the epoch is the step
+            self.host.cadence.observe_step(time.monotonic() - started)
         state.batches = 0
         state.owed = False
-        self.epoch += 1
+        self.host.epoch += 1
 
-    def _refuse_a_remade_loader(self, dataloader: Any) -> tuple[int, int] | None:
+    def refuse_a_remade_loader(self, dataloader: Any) -> tuple[int, int] | None:
         """Where a wrapper made now is made: (loop, epoch) inside an epoch body, else None.
         A new DataLoader over a dataset a wrapper made in an earlier epoch reads is refused:
         its wrapper would start over, and a resumed run could not find its position."""
-        state = self._epochs
-        if state is None or self._body != "epoch":
+        state = self.state
+        if state is None or self.body != "epoch":
             return None
         dataset = getattr(dataloader, "dataset", None)
-        for value in self._wrapped_loaders():
+        for value in self.wrapped_loaders():
             made = value._created_in
             if (
                 made
                 and made[0] == state.id
-                and made[1] < self.epoch
+                and made[1] < self.host.epoch
                 and getattr(value.loader, "dataset", None) is dataset
             ):
                 raise UsageError(
-                    f"epoch {self.epoch} gave ckpt.loader() a new DataLoader over the dataset "
+                    f"epoch {self.host.epoch} gave ckpt.loader() a new DataLoader over the dataset "
                     f"that a DataLoader of epoch {made[1]} reads; a new DataLoader each epoch "
                     "would start a new position each time",
                     fix="build the DataLoader once, before the loop, and pass that same "
                     "object to ckpt.loader() in every epoch (or give it to the Checkpointer "
                     "as loader=... and iterate ckpt.loader())",
                 )
-        return (state.id, self.epoch)
+        return (state.id, self.host.epoch)

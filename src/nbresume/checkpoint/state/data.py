@@ -546,9 +546,7 @@ def _stream_ended_early(epoch: int, batches: int, position: int) -> UsageError:
 
 class EpochLoop(Protocol):
     """What a :class:`ResumableLoader` tells the loop of :meth:`Checkpointer.epochs` about
-    the batches it hands out (see :mod:`nbresume.checkpoint.loop.checkpointer`)."""
-
-    epoch: int
+    the batches it hands out (see :mod:`nbresume.checkpoint.loop.epochloop`)."""
 
     def _in_epoch_body(self) -> bool:
         """Whether the body of an epoch loop is running."""
