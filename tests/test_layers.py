@@ -21,6 +21,7 @@ it, no ``isinstance`` on a concrete backend.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
@@ -433,3 +434,31 @@ def test_only_the_backends_ask_which_backend_a_store_is() -> None:
             ):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not found, "isinstance on a concrete backend in the core:\n" + "\n".join(found)
+
+
+def documented_save_path() -> tuple[list[str], int]:
+    """The modules docs/architecture.md says one blocking save enters, and their count."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    start = text.index("The modules one blocking save enters")
+    paragraph = text[start : text.index("\n\n", start)]
+    listed = paragraph[paragraph.index("against it):") : paragraph.index(" modules.")]
+    count = re.search(r": (\d+)$", listed)
+    assert count, "the count of modules is not where the test looks"
+    return re.findall(r"`([\w/]+\.py)`", listed), int(count.group(1))
+
+
+def test_the_life_of_one_save_lists_the_modules_a_save_enters() -> None:
+    """docs/architecture.md lists what ``python -m benchmarks.save_path`` traces."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.save_path"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    *traced, total = proc.stdout.splitlines()
+    listed, count = documented_save_path()
+    assert total == f"{len(traced)} modules"
+    assert sorted(listed) == sorted(traced), "docs/architecture.md lists other modules"
+    assert count == len(traced)
