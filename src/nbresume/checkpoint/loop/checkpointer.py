@@ -11,11 +11,12 @@ A :class:`Checkpointer` owns named stateful objects (anything with ``state_dict(
 The Checkpointer keeps the loop: steps, epochs, the data position, the cadence, the deadline,
 signals, events and the folder's writer lease. Saves happen only at step boundaries. How a
 save, a restore and a step boundary's decision run (one process, ``torch.distributed``,
-sharded state) is the part of one :class:`~nbresume.checkpoint.loop.strategies.Strategy`, chosen
-at the first save or restore; :mod:`~nbresume.checkpoint.state.snapshot` captures and writes (in
-the background: training is blocked only for a copy into host memory), and
-:mod:`~nbresume.checkpoint.state.restoring` checks a checkpoint against the live objects before it
-puts it into them, all or nothing.
+sharded state) is the part of one :class:`~nbresume.checkpoint.loop.strategies.Strategy`,
+chosen at the first save or restore; :mod:`~nbresume.checkpoint.state.snapshot` captures and
+:mod:`~nbresume.checkpoint.loop.saver` writes (in the background: training is blocked only for
+a copy into host memory), and :mod:`~nbresume.checkpoint.state.restoring` checks a checkpoint
+against the live objects before it puts it into them, all or nothing. The loop of
+:meth:`Checkpointer.epochs` is an object of its own (:mod:`~nbresume.checkpoint.loop.epochloop`).
 """
 
 from __future__ import annotations
