@@ -24,7 +24,7 @@ def rank_main(rank: int, port: int, steps: int, folder: str) -> None:
     import torch.distributed as dist
 
     import nbresume
-    from nbresume.checkpoint import distributed
+    from nbresume.checkpoint.parallel import distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

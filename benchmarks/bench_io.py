@@ -256,8 +256,8 @@ def measure_snapshot(state: dict[str, dict[str, Any]], reps: int) -> dict[str, f
     every destination is written once before it is timed, as kept buffers are."""
     import torch
 
-    from nbresume.checkpoint.snapshot import HostBuffers
-    from nbresume.checkpoint.state import flatten
+    from nbresume.checkpoint.format import flatten
+    from nbresume.checkpoint.state import HostBuffers
 
     tensors = [t for group in state.values() for t in group.values()]
     source = torch.cat([t.reshape(-1) for t in tensors])

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 
 import nbresume
-from nbresume.checkpoint import hashing, health, lease, removals, snapshot
+from nbresume.checkpoint.backends import local
+from nbresume.checkpoint.state import health, snapshot
+from nbresume.checkpoint.store import hashing, lease
 from nbresume.errors import FolderInUseError
 from nbresume.notebook import progress
 
@@ -60,7 +62,7 @@ def main() -> int:
         ck._lease._lock,
         hashing._WORKERS._lock,
         snapshot._COPIER._lock,
-        removals.REMOVALS._changed,
+        local.REMOVALS._changed,
         health._lock,
         progress._TRACKER_LOCK,
         progress.tracker()._lock,

@@ -49,10 +49,10 @@ def main() -> None:
     from torch import nn
 
     import nbresume
-    from nbresume.checkpoint import snapshot
+    from nbresume.checkpoint.loop import saver
 
     if copy_anyway:
-        snapshot.HOST_SHARE = math.inf
+        saver.HOST_SHARE = math.inf
 
     warnings: list[str] = []
 

@@ -24,7 +24,7 @@ import pytest
 
 import nbresume
 from nbresume import knobs
-from nbresume.checkpoint.cadence import Cadence
+from nbresume.checkpoint.loop import Cadence
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "check_scripts"

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
-from nbresume.checkpoint import reading, restoring
-from nbresume.checkpoint.hashing import Digests
+from nbresume.checkpoint.state import restoring
+from nbresume.checkpoint.store import reading
+from nbresume.checkpoint.store.hashing import Digests
 from nbresume.errors import NoCheckpointError
 
 CPU = torch.device("cpu")

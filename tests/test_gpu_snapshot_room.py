@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nbresume import knobs
-from nbresume.checkpoint import snapshot
+from nbresume.checkpoint.state import snapshot
 
 GIB = 1 << 30
 

@@ -26,8 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nbresume import CheckpointStore, CorruptCheckpointError, NoCheckpointError
-from nbresume.checkpoint import tensorfile
-from nbresume.checkpoint.format import Manifest, parse_manifest, step_dirname
+from nbresume.checkpoint.format import Manifest, parse_manifest, step_dirname, tensorfile
 from nbresume.errors import CheckpointError
 
 ForgeManifest = Callable[..., Path]

@@ -356,7 +356,7 @@ def lightning_ckpt(folder: Path, step: int) -> Path:
     import torch
 
     from nbresume import CheckpointStore
-    from nbresume.checkpoint.state import flatten
+    from nbresume.checkpoint.format import flatten
 
     checkpoint = {"global_step": step, "state_dict": {"w": torch.full((3,), float(step))}}
     tree, tensors = flatten(checkpoint, name="checkpoint")

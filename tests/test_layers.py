@@ -1,22 +1,48 @@
-"""The package's layers, read from its source: the core imports nothing above it, and nothing
-outside the checkpoint store touches the store's private members.
+"""The package's layers, read from its source: each layer imports only itself and the layers
+below it, and nothing outside the checkpoint store touches the store's private members.
 
 The layers, lowest first: the checkpoint core (``nbresume/checkpoint/``, with the leaf modules
 ``errors`` and ``knobs``), the platforms (``nbresume/platforms/``), then what users run (the
-notebook panel, Kaggle, the CLI, ``run``, ``slurm``, ...). A module may import from its own
-layer and the ones below, never above. The checks parse every module with :mod:`ast` (imports
-inside functions count too); nothing is imported.
+notebook panel, Kaggle, the CLI, ``run``, ``slurm``, ...). Inside the core, lowest first: its
+root modules (``arguments``, ``events``, ``forksafe``, ``hooks``, ``procfs``, ``units``,
+``version``), then the packages ``format``, ``backends``, ``store``, ``state``, ``parallel`` and
+``loop`` (:data:`CORE_LAYERS`). A module may import from its own layer and the ones below, never
+above; the rest of the package imports a layer of the core through its package, never its inner
+modules.
+
+The rules are stated once, for import-linter, in ``pyproject.toml`` (``[tool.importlinter]``),
+and :func:`test_import_linter_keeps_every_contract` runs it. The checks below parse every module
+with :mod:`ast` (imports inside functions and under ``TYPE_CHECKING`` count too; nothing is
+imported) and say the same where import-linter is not installed, and more: no circle, no import
+of the core inside a function, no private member of the store or the Checkpointer used outside
+it, no ``isinstance`` on a concrete backend.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "nbresume"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "nbresume"
+
+#: The layers of the checkpoint core, lowest first: the root's own modules (``None``), then its
+#: packages. A module of the core belongs to the package it is in, or to the root.
+CORE_LAYERS: tuple[str | None, ...] = (
+    None,
+    "format",
+    "backends",
+    "store",
+    "state",
+    "parallel",
+    "loop",
+)
 
 #: What a module under ``checkpoint/`` must never import: everything above the core.
 ABOVE_THE_CORE = (
@@ -35,11 +61,11 @@ ABOVE_THE_CORE = (
 #: The checkpoint store's own modules: the only ones that may use its private members.
 STORE_MODULES = frozenset(
     {
-        "nbresume.checkpoint.store",
-        "nbresume.checkpoint.pending",
-        "nbresume.checkpoint.reading",
-        "nbresume.checkpoint.hashing",
-        "nbresume.checkpoint.info",
+        "nbresume.checkpoint.store.store",
+        "nbresume.checkpoint.store.pending",
+        "nbresume.checkpoint.store.reading",
+        "nbresume.checkpoint.store.hashing",
+        "nbresume.checkpoint.store.info",
     }
 )
 
@@ -81,18 +107,56 @@ def imported(name: str, path: Path, tree: ast.Module) -> Iterator[tuple[int, str
                 yield node.lineno, sub if is_module else base
 
 
-def upward_imports() -> list[str]:
+def core_layer(name: str) -> int | None:
+    """The rank of the core's layer that module ``name`` belongs to (:data:`CORE_LAYERS`), or
+    ``None`` outside the core."""
+    parts = name.split(".")
+    if parts[:2] != ["nbresume", "checkpoint"]:
+        return None
+    if len(parts) > 2 and parts[2] in CORE_LAYERS:
+        return CORE_LAYERS.index(parts[2])
+    return 0
+
+
+def is_inner_module(target: str) -> bool:
+    """Whether ``target`` is a module inside one of the core's layer packages (not the package
+    itself): what the rest of the package does not import."""
+    parts = target.split(".")
+    return parts[:2] == ["nbresume", "checkpoint"] and len(parts) > 3 and parts[2] in CORE_LAYERS
+
+
+def upward_imports(parsed: Iterable[tuple[str, Path, ast.Module]]) -> list[str]:
+    """The imports of ``parsed`` modules that go up: from the core to a layer above it, from a
+    layer of the core to a higher one."""
     found = []
-    for name, path, tree in modules():
-        if not name.startswith("nbresume.checkpoint"):
+    for name, path, tree in parsed:
+        rank = core_layer(name)
+        if rank is None:
             continue
         for line, target in imported(name, path, tree):
             above = target == "nbresume" or any(
                 target == top or target.startswith(top + ".") for top in ABOVE_THE_CORE
             )
-            if above:
-                found.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+            target_rank = core_layer(target)
+            if above or (target_rank is not None and target_rank > rank):
+                found.append(f"{where(path)}:{line} imports {target}")
     return found
+
+
+def inner_imports(parsed: Iterable[tuple[str, Path, ast.Module]]) -> list[str]:
+    """The imports of an inner module of a core layer from outside the core."""
+    found = []
+    for name, path, tree in parsed:
+        if core_layer(name) is not None:
+            continue
+        for line, target in imported(name, path, tree):
+            if is_inner_module(target):
+                found.append(f"{where(path)}:{line} imports {target}")
+    return found
+
+
+def where(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
 
 
 #: The store's classes whose private members stay inside the store's modules.
@@ -170,13 +234,75 @@ def private_uses(members: set[str], own: frozenset[str] = STORE_MODULES) -> list
 #: The Checkpointer's own modules (the epoch loop is a part of it), the only ones that may
 #: use its private members; a strategy gets a small host object instead.
 CHECKPOINTER_MODULES = frozenset(
-    {"nbresume.checkpoint.checkpointer", "nbresume.checkpoint.epochloop"}
+    {"nbresume.checkpoint.loop.checkpointer", "nbresume.checkpoint.loop.epochloop"}
 )
 
 
+def test_import_linter_keeps_every_contract() -> None:
+    """The layers as ``pyproject.toml`` states them, checked by import-linter."""
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    if not lint_imports.exists():
+        pytest.skip(
+            f"import-linter is not installed next to {sys.executable} (pip install -e '.[test]')"
+        )
+    proc = subprocess.run(
+        [str(lint_imports), "--no-cache"], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_the_core_imports_nothing_above_it() -> None:
-    found = upward_imports()
+    found = upward_imports(modules())
     assert not found, "the checkpoint core imports a layer above it:\n" + "\n".join(found)
+
+
+def test_the_rest_imports_the_core_through_its_layer_packages() -> None:
+    found = inner_imports(modules())
+    problem = "modules outside the core import an inner module of a layer"
+    assert not found, problem + " (import the layer's package):\n" + "\n".join(found)
+
+
+def parse(name: str, source: str) -> tuple[str, Path, ast.Module]:
+    """A module ``name`` made of ``source``, as :func:`modules` gives one."""
+    path = PACKAGE.parent / Path(*name.split(".")).with_suffix(".py")
+    return name, path, ast.parse(source)
+
+
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        ("nbresume.checkpoint.format.manifest", "from nbresume.checkpoint.store import reading"),
+        ("nbresume.checkpoint.units", "from nbresume.checkpoint.format import Manifest"),
+        ("nbresume.checkpoint.store.store", "from nbresume.checkpoint.loop import Checkpointer"),
+        ("nbresume.checkpoint.state.data", "from nbresume.checkpoint.loop.health import DataWait"),
+        ("nbresume.checkpoint.store.info", "from nbresume.platforms import detect"),
+        ("nbresume.checkpoint.backends.base", "from nbresume import __version__"),
+    ],
+)
+def test_an_upward_import_is_found(name: str, source: str) -> None:
+    assert upward_imports([parse(name, source)])
+
+
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        ("nbresume.checkpoint.loop.cadence", "from nbresume.checkpoint.format import Manifest"),
+        ("nbresume.checkpoint.store.store", "from nbresume.checkpoint.store import reading"),
+        ("nbresume.checkpoint.format.manifest", "from nbresume.checkpoint import units"),
+        ("nbresume.checkpoint.state.data", "from nbresume import knobs"),
+    ],
+)
+def test_an_import_of_the_same_or_a_lower_layer_is_not(name: str, source: str) -> None:
+    assert upward_imports([parse(name, source)]) == []
+
+
+def test_an_inner_module_imported_from_outside_the_core_is_found() -> None:
+    inner = parse("nbresume.cli", "from nbresume.checkpoint.store.store import CheckpointStore")
+    package = parse("nbresume.cli", "from nbresume.checkpoint.store import CheckpointStore")
+    root = parse("nbresume.cli", "from nbresume.checkpoint.units import format_bytes")
+    core = parse("nbresume.checkpoint.loop.saver", "from nbresume.checkpoint.store import info")
+    assert inner_imports([inner])
+    assert inner_imports([package, root, core]) == []
 
 
 def test_the_store_classes_are_where_the_test_looks() -> None:
@@ -193,8 +319,8 @@ def test_no_module_outside_the_store_uses_its_private_members() -> None:
 
 
 def test_no_module_outside_the_checkpointer_uses_its_private_members() -> None:
-    classes = classes_in(CHECKPOINTER_MODULES, ("Checkpointer", "EpochLoopMixin"))
-    assert set(classes) == {"Checkpointer", "EpochLoopMixin"}
+    classes = classes_in(CHECKPOINTER_MODULES, ("Checkpointer", "Epochs"))
+    assert set(classes) == {"Checkpointer", "Epochs"}
     found = private_uses(private_members(classes, CHECKPOINTER_MODULES), CHECKPOINTER_MODULES)
     problem = "private members of the Checkpointer used outside it"
     assert not found, problem + ":\n" + "\n".join(found)
@@ -208,6 +334,9 @@ def test_no_module_outside_the_checkpointer_uses_its_private_members() -> None:
         ("from nbresume import knobs", "nbresume.knobs"),
         ("from nbresume import __version__", "nbresume"),
         ("from ..platforms import drive", "nbresume.platforms.drive"),
+        ("from nbresume.checkpoint.store import reading", "nbresume.checkpoint.store.reading"),
+        ("from nbresume.checkpoint.store import CheckpointStore", "nbresume.checkpoint.store"),
+        ("from .store import pending", "nbresume.checkpoint.store.pending"),
     ],
 )
 def test_imports_are_read_the_way_python_resolves_them(source: str, expected: str) -> None:
@@ -305,3 +434,31 @@ def test_only_the_backends_ask_which_backend_a_store_is() -> None:
             ):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not found, "isinstance on a concrete backend in the core:\n" + "\n".join(found)
+
+
+def documented_save_path() -> tuple[list[str], int]:
+    """The modules docs/architecture.md says one blocking save enters, and their count."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    start = text.index("The modules one blocking save enters")
+    paragraph = text[start : text.index("\n\n", start)]
+    listed = paragraph[paragraph.index("against it):") : paragraph.index(" modules.")]
+    count = re.search(r": (\d+)$", listed)
+    assert count, "the count of modules is not where the test looks"
+    return re.findall(r"`([\w/]+\.py)`", listed), int(count.group(1))
+
+
+def test_the_life_of_one_save_lists_the_modules_a_save_enters() -> None:
+    """docs/architecture.md lists what ``python -m benchmarks.save_path`` traces."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.save_path"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    *traced, total = proc.stdout.splitlines()
+    listed, count = documented_save_path()
+    assert total == f"{len(traced)} modules"
+    assert sorted(listed) == sorted(traced), "docs/architecture.md lists other modules"
+    assert count == len(traced)

@@ -32,7 +32,7 @@ from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.format import MANIFEST_NAME, FileEntry, parse_manifest, step_dirname
-from nbresume.checkpoint.hashing import new_hash
+from nbresume.checkpoint.store.hashing import new_hash
 from nbresume.cli import main
 from nbresume.errors import CheckpointError
 from nbresume.pull import SAFE_LINE

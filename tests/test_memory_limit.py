@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
-from nbresume.checkpoint import snapshot, tensorfile
-from nbresume.checkpoint.snapshot import STAGE_BUFFERS, Stager
+from nbresume.checkpoint.format import tensorfile
+from nbresume.checkpoint.state import STAGE_BUFFERS, Stager, snapshot
 from nbresume.platforms.cgroup import read_memory
 
 CHILD = Path(__file__).with_name("memory_limit_child.py")

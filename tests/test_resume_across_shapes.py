@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import nbresume
-from nbresume.checkpoint.restoring import derived_rng
+from nbresume.checkpoint.state.restoring import derived_rng
 from nbresume.errors import UsageError
 
 

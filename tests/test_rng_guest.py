@@ -37,9 +37,9 @@ import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 import nbresume
-from nbresume.checkpoint import data as data_module
-from nbresume.checkpoint import state as state_module
-from nbresume.checkpoint.data import ResumableLoader
+from nbresume.checkpoint.format import state_document as state_module
+from nbresume.checkpoint.state import ResumableLoader
+from nbresume.checkpoint.state import data as data_module
 
 SCRIPT = Path(__file__).with_name("train_loop_shapes.py")
 _spec = importlib.util.spec_from_file_location("train_loop_shapes_guard", SCRIPT)

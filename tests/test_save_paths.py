@@ -11,7 +11,7 @@ from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.backends.local import WRITE_BEHIND_BYTES
-from nbresume.checkpoint.snapshot import COPY_PIECE
+from nbresume.checkpoint.state.snapshot import COPY_PIECE
 
 QUIET = {"every": None, "deadline": None}
 

@@ -11,9 +11,16 @@ from typing import Any
 
 from nbresume.checkpoint import events as _events
 from nbresume.checkpoint import hooks as _hooks
-from nbresume.checkpoint.checkpointer import Checkpointer
-from nbresume.checkpoint.data import ResumableLoader, sample_generator, sample_seed
 from nbresume.checkpoint.events import Event
+from nbresume.checkpoint.loop import Checkpointer
+from nbresume.checkpoint.state import (
+    BaseMismatchError,
+    ResumableLoader,
+    TrainableOnly,
+    sample_generator,
+    sample_seed,
+    trainable_only,
+)
 from nbresume.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
@@ -22,7 +29,6 @@ from nbresume.checkpoint.store import (
     VerifyResult,
     verify,
 )
-from nbresume.checkpoint.trainable import BaseMismatchError, TrainableOnly, trainable_only
 from nbresume.checkpoint.version import __version__
 from nbresume.errors import (
     ArgumentError,

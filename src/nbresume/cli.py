@@ -88,7 +88,7 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         _check_metric(store, keep_best[0], args.dir)
     # Deleting beside a run that saves there would race with its own retention: prune holds
     # the folder's writer lease meanwhile, and a live writer's lease refuses it by name.
-    from nbresume.checkpoint.lease import holding
+    from nbresume.checkpoint.store import holding
 
     with holding(store.backend, purpose="nbresume prune"):
         deleted = store.prune()
@@ -275,7 +275,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     if args.dst is None:
         return _usage(args, "a destination folder is needed: nbresume pull SRC DST")
     if _local_path(args.src) is None and not args.src.lower().startswith(("ssh://", "sftp://")):
-        from nbresume.checkpoint.storage import open_store
+        from nbresume.checkpoint.backends import open_store
 
         # Reach the store (credentials, endpoint) before anything is printed or created.
         open_store(args.src).list_folders()

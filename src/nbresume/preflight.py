@@ -343,7 +343,7 @@ def check_cuda_build(gpus: list[Gpu], torch: TorchInfo) -> Check:
 def check_gpu_state(query: GpuQueryRun | None, all_gpus: list[Gpu], gpus: list[Gpu]) -> list[Check]:
     """On a GPU machine: free memory and who holds it, the GPU's health, and whether a resume
     continues bit-exactly (see :mod:`nbresume.platforms.nvidia_smi`)."""
-    from nbresume.checkpoint.determinism import describe
+    from nbresume.checkpoint.state import describe_determinism
 
     if query is not None and not all_gpus:
         query.cancel()  # not read: its tools must not run on after the report
@@ -353,7 +353,7 @@ def check_gpu_state(query: GpuQueryRun | None, all_gpus: list[Gpu], gpus: list[G
         Check(name, verdict.status, verdict.seen, verdict.fix)
         for name, verdict in gpu_verdicts(query.result(), gpus)
     ]
-    status, seen, fix = describe(gpu=True)
+    status, seen, fix = describe_determinism(gpu=True)
     return [*checks, Check("determinism", status, seen, fix)]
 
 

@@ -20,7 +20,7 @@ manifest. For each one:
 
 The remote copy is declared safe to tear down only when every checkpoint verified locally, the
 remote list did not change during the pull, and no live writer holds the source: a training
-that still runs there holds the folder's writer lease (:mod:`nbresume.checkpoint.lease`), read
+that still runs there holds the folder's writer lease (:mod:`nbresume.checkpoint.store.lease`), read
 before each listing. While it does, the pull says so, names the holder, and exits with
 :data:`STILL_WRITING`: pull again after it stops. Nothing remote is ever deleted or written.
 
@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
+from nbresume.checkpoint.backends import FsspecStore, LocalStore, Store, fsync_folder, open_store
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -52,17 +53,20 @@ from nbresume.checkpoint.format import (
     parse_manifest,
     step_dirname,
 )
-from nbresume.checkpoint.hashing import Digests, check_hashes, read_header
-from nbresume.checkpoint.lease import LEASE_NAME, live_holder
-from nbresume.checkpoint.lease_holder import (
+from nbresume.checkpoint.store import (
     FUTURE_TOLERANCE_S,
+    LEASE_NAME,
+    CheckpointStore,
+    Digests,
     Holder,
+    VerifyResult,
+    check_hashes,
     format_utc,
+    has_manifest,
+    live_holder,
+    read_header,
     this_process,
 )
-from nbresume.checkpoint.reading import has_manifest
-from nbresume.checkpoint.storage import FsspecStore, LocalStore, Store, fsync_folder, open_store
-from nbresume.checkpoint.store import CheckpointStore, VerifyResult
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CorruptCheckpointError, NbresumeError, StorageError, UsageError
 from nbresume.frameworks.layout import kind_of, pull_refusal

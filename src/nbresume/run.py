@@ -26,7 +26,7 @@ from nbresume.preflight import (
 )
 
 if TYPE_CHECKING:
-    from nbresume.checkpoint.checkpointer import Checkpointer
+    from nbresume.checkpoint.loop import Checkpointer
     from nbresume.checkpoint.store import CheckpointInfo
 
 
@@ -57,7 +57,7 @@ class Run:
         session cap) and, for ``every="auto"``, the platform's expected time between
         interruptions in the Young/Daly interval. Any keyword overrides them.
         """
-        from nbresume.checkpoint.checkpointer import Checkpointer
+        from nbresume.checkpoint.loop import Checkpointer
 
         kwargs.setdefault("keep", self.keep)
         kwargs.setdefault("deadline", "auto")
@@ -121,13 +121,13 @@ def init(
         quiet: print nothing (the report is still in ``run.report``).
         deterministic: make PyTorch's CUDA kernels repeatable, so that a resumed run
             continues bit for bit on a GPU too (slower; see
-            :func:`nbresume.checkpoint.determinism.enable`). Call ``init`` before any CUDA
+            :func:`nbresume.checkpoint.state.determinism.enable`). Call ``init`` before any CUDA
             work for it to cover cuBLAS.
     """
     check_run_name(name)
-    from nbresume.checkpoint.determinism import apply
+    from nbresume.checkpoint.state import apply_determinism
 
-    apply(deterministic, "nbresume.init")  # before the preflight, which reports it
+    apply_determinism(deterministic, "nbresume.init")  # before the preflight, which reports it
     sandbox = knobs.check_dir(name if dir is None else dir)  # `nbresume check`'s own folder
     if sandbox is not None:
         dir = sandbox

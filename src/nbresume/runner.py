@@ -145,7 +145,7 @@ def copy_log(log: Path, location: str) -> str:
     :data:`DEFAULT_LOG_NAME`, replacing an older copy; return ``""`` or what went wrong."""
     if "://" not in location and Path(location).expanduser().absolute() / DEFAULT_LOG_NAME == log:
         return ""  # written there already
-    from nbresume.checkpoint.backends.registry import open_store
+    from nbresume.checkpoint.backends import open_store
 
     try:
         open_store(location).replace_small(DEFAULT_LOG_NAME, log.read_bytes())

@@ -178,7 +178,7 @@ def flush(args: argparse.Namespace, out: Out) -> None:
 def retention(args: argparse.Namespace, out: Out) -> None:
     """Many saves with keep=2 on a small Drive: does retention give the quota back?"""
     from nbresume import CheckpointStore
-    from nbresume.checkpoint.storage import LocalStore
+    from nbresume.checkpoint.backends import LocalStore
 
     god = cloud()
     folder = mount().joinpath(*RUN_PARTS)

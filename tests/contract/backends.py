@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from fsspec.implementations.dirfs import DirFileSystem
 
-from nbresume.checkpoint.storage import FsspecStore
+from nbresume.checkpoint.backends import FsspecStore
 from nbresume.checkpoint.store import CheckpointStore
 
 #: One thing a backend did, in order: ("written", "000000000001/model.safetensors"),

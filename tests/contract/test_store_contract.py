@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX, parse_manifest, step_dirname
-from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
+from nbresume.checkpoint.store.store import CheckpointInfo, CheckpointStore
 from nbresume.cli import main
 from nbresume.errors import NoCheckpointError, UsageError
 

@@ -235,8 +235,8 @@ def import_once() -> None:
         "torch.distributed.fsdp",
         "torch.distributed.tensor",
         "torch.nn.parallel",
-        "nbresume.checkpoint.checkpointer",
-        "nbresume.checkpoint.sharded",
+        "nbresume.checkpoint.loop.checkpointer",
+        "nbresume.checkpoint.parallel.sharded",
     ):
         importlib.import_module(module)
 

@@ -51,10 +51,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from nbresume.checkpoint.checkpointer import Checkpointer
-from nbresume.checkpoint.format import TEMP_PREFIX
-from nbresume.checkpoint.sharded import load_sharded, save_sharded
-from nbresume.checkpoint.state import flatten
+from nbresume.checkpoint.format import TEMP_PREFIX, flatten
+from nbresume.checkpoint.loop import Checkpointer
+from nbresume.checkpoint.parallel import load_sharded, save_sharded
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import NbresumeError
 

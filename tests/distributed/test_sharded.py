@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX
-from nbresume.checkpoint.sharded import load_sharded, save_sharded
+from nbresume.checkpoint.parallel import load_sharded, save_sharded
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import NoCheckpointError
 

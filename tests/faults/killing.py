@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nbresume.checkpoint.backends import DELETING_PREFIX, REPLACED_PREFIX
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX, parse_step_dirname
-from nbresume.checkpoint.storage import DELETING_PREFIX, REPLACED_PREFIX
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import NoCheckpointError
 

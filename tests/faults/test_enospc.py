@@ -20,9 +20,9 @@ from typing import IO, Any
 
 import pytest
 
+from nbresume.checkpoint.backends import FreeSpace, LocalStore
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX, step_dirname
-from nbresume.checkpoint.storage import FreeSpace, LocalStore
-from nbresume.checkpoint.store import CheckpointStore, format_bytes
+from nbresume.checkpoint.store.store import CheckpointStore, format_bytes
 from nbresume.errors import StorageFullError
 
 from .saver import state_for, state_mismatch

@@ -18,7 +18,7 @@ import torch
 
 import nbresume.lightning
 from nbresume import CheckpointStore, knobs
-from nbresume.checkpoint.confirm import confirm
+from nbresume.checkpoint.loop import confirm
 from nbresume.platforms.drive import mount_drive
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbresume.lightning
-from nbresume.checkpoint import removals
+from nbresume.checkpoint.backends import wait_for_removals
 
 STEPS_PER_EPOCH = 8
 EPOCHS = 3
@@ -180,7 +180,7 @@ def crash(folder: Path, settings: list[dict[str, Any]], *, ours: bool, **options
         fit(folder, settings, ours=ours, **options)
     # The process goes on after the crash, and with it a removal retention started in the
     # background: it ends before the folder is looked at or copied, as at a process's exit.
-    removals.wait()
+    wait_for_removals()
 
 
 def resume_path(folder: Path, *, ours: bool) -> str | None:

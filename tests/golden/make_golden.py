@@ -5,12 +5,12 @@ Run once per format version, from the repository root::
     .venv/bin/python tests/golden/make_golden.py        # v1: SHA-256
     .venv/bin/python tests/golden/make_golden.py v1.1   # v1.1: XXH3-128, named in the manifest
 
-The files are committed and never regenerated for an existing version: tests/test_golden.py
-and tests/test_hash_format.py load them with the current code, so that every checkpoint ever
-written in these formats keeps loading. Both versions hold the same values (v1.1's tensor
-files are byte for byte v1's; its manifest names XXH3-128). The values follow a fixed recipe
-(test_golden.py recomputes it on its own), and the manifest's "created" is fixed, so the
-output is the same byte for byte on every run.
+The files are committed and never regenerated for an existing version: tests/test_golden.py and
+tests/checkpoint/format/test_hash_format.py load them with the current code, so that every
+checkpoint ever written in these formats keeps loading. Both versions hold the same values (v1.1's
+tensor files are byte for byte v1's; its manifest names XXH3-128). The values follow a fixed recipe
+(test_golden.py recomputes it on its own), and the manifest's "created" is fixed, so the output is
+the same byte for byte on every run.
 """
 
 from __future__ import annotations

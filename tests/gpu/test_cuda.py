@@ -22,7 +22,7 @@ from tests.gpu.conftest import requires_cuda, requires_two_gpus
 from torch import nn
 
 from nbresume import Checkpointer
-from nbresume.checkpoint import snapshot
+from nbresume.checkpoint.state import snapshot
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -15,7 +15,8 @@ from tests.gpu.conftest import requires_cuda
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
-from nbresume.checkpoint import reading, restoring
+from nbresume.checkpoint.state import restoring
+from nbresume.checkpoint.store import reading
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -15,7 +15,7 @@ import torch
 from tests.gpu.conftest import requires_cuda
 from torch.utils.data import DataLoader, TensorDataset
 
-from nbresume.checkpoint.data import ResumableLoader
+from nbresume.checkpoint.state import ResumableLoader
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("ipywidgets", reason="needs ipywidgets (the notebook extra)")
 
 from nbresume import Checkpointer
-from nbresume.checkpoint.durability import SAVED, SYNCING, Durability
+from nbresume.checkpoint.backends import LocalStore
 from nbresume.checkpoint.format import Manifest
-from nbresume.checkpoint.storage import LocalStore
+from nbresume.checkpoint.loop.durability import SAVED, SYNCING, Durability
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.notebook.panel import Panel
 from nbresume.notebook.progress import Tracker

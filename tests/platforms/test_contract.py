@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import nbresume
-from nbresume.checkpoint.deadline import resolve_deadline
+from nbresume.checkpoint.loop import resolve_deadline
 from nbresume.errors import PreflightError
 from nbresume.platforms import PLATFORMS, Platform, detect
 

@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 
 from nbresume.checkpoint.format import step_dirname
-from nbresume.checkpoint.lease import LEASE_NAME
-from nbresume.checkpoint.lease_holder import Holder
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.store import LEASE_NAME, CheckpointStore, Holder
 from nbresume.cli import main
 from nbresume.pull import PART_SUFFIX, SAFE_LINE, STAGING_PREFIX, STILL_WRITING
 

@@ -189,7 +189,7 @@ def test_a_python_exception_is_not_retried(tmp_path: Path, child_env: dict[str, 
 DISK_FILLER = """
 import sys
 import numpy as np
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.store.store import CheckpointStore
 mode, folder = sys.argv[1], sys.argv[2]
 big = np.ones(1 << 20, dtype=np.float32)  # 4 MB on a disk of 1 MB
 if mode == "nbresume":

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import nbresume
-from nbresume.checkpoint.lease import LEASE_NAME
+from nbresume.checkpoint.store import LEASE_NAME
 
 
 def fill(path: Path, leave: int) -> None:

@@ -1,4 +1,4 @@
-"""Locks that a forked child finds free.
+"""Locks that a forked child finds free, and threads kept from one save to the next.
 
 ``fork()`` copies the whole memory of a process but only the thread that called it. A lock
 that another thread held at that moment (a background save reporting an event, the lease
@@ -13,13 +13,21 @@ Every lock, condition and event of nbresume's threads is made here and is made n
 a forked child, as CPython does for its own (``_at_fork_reinit``). What a lock guarded stays
 as the fork found it; the objects that track work of the parent's threads (a worker pool,
 the removals in flight, the leases held) also forget that work in the child.
+
+A forked child inherits none of its parent's threads either. Starting a thread costs
+milliseconds on a busy machine, at every save: the files' fsyncs
+(:class:`~nbresume.checkpoint.store.hashing.DurableCloser`) and the second half of an asynchronous
+snapshot's copy (:class:`~nbresume.checkpoint.state.snapshot.PieceCopy`) go to :class:`Workers`,
+threads that wait for the next job instead; a forked child starts its own.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -63,3 +71,42 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# -- kept threads ------------------------------------------------------------------------------
+
+
+class Workers:
+    """``count`` daemon threads named ``name``, started at the first job of a process."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.name = name
+        self.count = count
+        self._lock = lock()
+        self._pid = 0  # the process whose threads these are: a forked child starts its own
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Run ``job`` in a worker (it must catch its own errors); ``False`` where no worker
+        can start (an interpreter far in its shutdown): the caller then runs it itself."""
+        with self._lock:
+            if self._pid != os.getpid():
+                jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+                if not all(_start(jobs, self.name) for _ in range(self.count)):
+                    return False
+                self._queue, self._pid = jobs, os.getpid()
+            self._queue.put(job)
+        return True
+
+
+def _start(jobs: queue.SimpleQueue[Callable[[], None]], name: str) -> bool:
+    def run() -> None:
+        while True:
+            jobs.get()()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # can't start new thread: the interpreter is shutting down
+        return False
+    return True

@@ -6,7 +6,7 @@ The protocol: nothing under ``checkpoint/`` imports a platform module. The layer
 - where the session deadline comes from (:func:`provide_session_deadline`), which
   ``deadline="auto"`` asks for through :func:`session_deadline`; no provider: no cap;
 - the action after a stop-save on a signal (:func:`provide_after_stop_save`), which a
-  :class:`~nbresume.checkpoint.checkpointer.Checkpointer` takes from :data:`after_stop_save`
+  :class:`~nbresume.checkpoint.loop.Checkpointer` takes from :data:`after_stop_save`
   as its ``after_stop`` when it is made; ``None``: no action;
 - how many CPUs this container may really use (:func:`provide_usable_cpus`), which the
   input-bound advice asks for through :func:`usable_cpus`; no provider: unknown;

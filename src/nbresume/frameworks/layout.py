@@ -148,7 +148,7 @@ def newest_ckpt(folders: Iterable[Path]) -> Resumable:
     folders of ``folders``: ``last*.ckpt`` first when it verifies (as Lightning's
     ``ckpt_path="last"``), else the newest other by step; every byte of it read back and
     matched with its manifest. Nothing here imports Lightning."""
-    from nbresume.checkpoint.reading import verify_folder
+    from nbresume.checkpoint.store import verify_folder
 
     found = [item for folder in folders for item in committed(folder)]
     # ``last*.ckpt`` first: it holds every ModelCheckpoint's newest state, and a run resumed

@@ -2,7 +2,7 @@
 
 A framework (the Hugging Face Trainer, Lightning) runs its own loop and writes its own
 checkpoints. :class:`Watch` gives such a loop what a
-:class:`~nbresume.checkpoint.checkpointer.Checkpointer` has: the notebook panel and the
+:class:`~nbresume.checkpoint.loop.Checkpointer` has: the notebook panel and the
 status line find it (:func:`nbresume.checkpoint.events.announce`) and show its step, total,
 checkpoints and deadline; SIGTERM / SIGUSR1 / an interrupt / the panel's buttons / the session
 deadline become requests that the framework's callback answers at its next step boundary; each
@@ -25,7 +25,7 @@ The framework's callback drives it::
 Under ``torch.distributed`` (more than one process), every rank runs its own watch: a signal
 reaches one rank, each rank's deadline is measured by its own clock, the panel's button is
 pressed in one process. :meth:`Watch.decide` combines the ranks' requests at every step
-boundary in one small ``all_reduce`` (:meth:`nbresume.checkpoint.distributed.Group.agree`), so
+boundary in one small ``all_reduce`` (:meth:`nbresume.checkpoint.parallel.Group.agree`), so
 that every rank saves the same step and stops there: a rank that saved alone (the frameworks'
 saves hold barriers) while another went on to the next step's collectives would hang the job.
 Only rank 0 announces itself to the panel and the status line.
@@ -41,19 +41,26 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from nbresume.checkpoint import distributed, hooks, reporting, stops
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint.cadence import Cadence
-from nbresume.checkpoint.deadline import resolve_deadline
-from nbresume.checkpoint.durability import DurabilityWatcher
-from nbresume.checkpoint.info import CheckpointInfo
-from nbresume.checkpoint.pending import PendingCheckpoint
-from nbresume.checkpoint.reporting import SaveFunction
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint import hooks
+from nbresume.checkpoint.loop import (
+    Cadence,
+    DurabilityWatcher,
+    SaveFunction,
+    deadline_margin,
+    deadline_reason,
+    install_stop_handler,
+    report_save,
+    resolve_deadline,
+    restore_signal_handlers,
+    signal_reason,
+)
+from nbresume.checkpoint.parallel import Group, current_group
+from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, PendingCheckpoint
 from nbresume.errors import UsageError
 
 if TYPE_CHECKING:
-    from nbresume.checkpoint.confirm import Confirmation
+    from nbresume.checkpoint.loop import Confirmation
 
 log = logging.getLogger("nbresume")
 
@@ -111,7 +118,7 @@ class Watch:
         self._watchers: dict[str, DurabilityWatcher] = {}
         #: The job's processes while a loop runs under ``torch.distributed`` with more than
         #: one (``None`` with one process: nothing is ever exchanged).
-        self.group: distributed.Group | None = None
+        self.group: Group | None = None
         if announce:
             ev.announce(self)
 
@@ -129,9 +136,9 @@ class Watch:
         self.signum = None
         self.running = True
         self._step_started = time.monotonic()
-        self.group = distributed.current()
+        self.group = current_group()
         if self._previous is None and threading.current_thread() is threading.main_thread():
-            self._previous = stops.install(self._on_signal)
+            self._previous = install_stop_handler(self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
@@ -158,8 +165,8 @@ class Watch:
         if self._stop_request:
             return self._stop_request
         if self.signum is not None:
-            return stops.signal_reason(self.signum)
-        return stops.deadline_reason(self.deadline, self.deadline_source, self._margin())
+            return signal_reason(self.signum)
+        return deadline_reason(self.deadline, self.deadline_source, self._margin())
 
     def decide(self) -> tuple[str, bool]:
         """At a step boundary: why the loop must save and stop (``""`` to go on), and whether
@@ -209,7 +216,7 @@ class Watch:
         return None if self.deadline is None else self.deadline - self._margin()
 
     def _margin(self) -> float:
-        return stops.deadline_margin(self.cadence, explicit=self._explicit_deadline)
+        return deadline_margin(self.cadence, explicit=self._explicit_deadline)
 
     # -- saves --------------------------------------------------------------------------
 
@@ -237,7 +244,7 @@ class Watch:
 
         ``store`` is where the checkpoint lands when it is not the watch's own store (a
         framework that writes several checkpoint folders, such as Lightning's ``.ckpt``s)."""
-        return reporting.commit(
+        return report_save(
             self.events,
             self.cadence,
             step,
@@ -297,8 +304,8 @@ class Watch:
     def wait(self, *, durable: bool = False, timeout: float | None = None) -> Confirmation | None:
         """Saves through a watch are blocking: nothing is ever in flight. With ``durable``, wait
         until the storage itself confirms the newest checkpoint, as
-        :meth:`Checkpointer.wait <nbresume.checkpoint.checkpointer.Checkpointer.wait>` does."""
-        from nbresume.checkpoint.confirm import confirm
+        :meth:`Checkpointer.wait <nbresume.checkpoint.loop.Checkpointer.wait>` does."""
+        from nbresume.checkpoint.loop import confirm
 
         return confirm(self.store, timeout=timeout) if durable else None
 
@@ -325,7 +332,7 @@ class Watch:
         # What retention deleted is off the disk before the user's next cell archives the folder.
         self.store.wait_removals()
         if self._previous is not None:
-            stops.restore(self._previous)
+            restore_signal_handlers(self._previous)
             self._previous = None
         if done:
             self.events.emit(ev.DONE, step)
@@ -341,7 +348,7 @@ class Watch:
     def close(self) -> None:
         """Restore the signal handlers and stop following Drive uploads."""
         if self._previous is not None:
-            stops.restore(self._previous)
+            restore_signal_handlers(self._previous)
             self._previous = None
         if self.durability is not None:
             self.durability.close()

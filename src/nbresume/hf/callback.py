@@ -8,7 +8,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint.info import CheckpointInfo
+from nbresume.checkpoint.store import CheckpointInfo
 from nbresume.errors import CheckpointError
 from nbresume.frameworks.watch import Watch
 from nbresume.hf.folders import commit_folder, open_store
@@ -56,7 +56,7 @@ class Callback(TrainerCallback):
         callbacks: list[ev.Callback] | None = None,
     ) -> None:
         from nbresume.checkpoint.arguments import check_keep
-        from nbresume.checkpoint.deadline import check_deadline
+        from nbresume.checkpoint.loop import check_deadline
 
         check_deadline(deadline, "nbresume.hf.Callback")
         if keep is not _UNSET:

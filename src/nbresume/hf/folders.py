@@ -13,7 +13,7 @@ has a reason to unpickle anything. A framework's other files (``optimizer.pt``,
 ``rng_state.pth``, ``training_args.bin``) are listed with their sizes and hashes in
 :data:`FILES_NAME`, a JSON file that the manifest itself covers; :func:`verify` checks them
 too. nbresume opens them to hash them, with the checkpoint's own hash (XXH3-128 by
-default, as ``NBRESUME_HASH`` picks; :mod:`nbresume.checkpoint.hashing`), recorded under the
+default, as ``NBRESUME_HASH`` picks; :mod:`nbresume.checkpoint.store.hashing`), recorded under the
 hash's name as the manifest records it (``{"size": ..., "xxh3-128": ...}``); earlier versions
 recorded SHA-256 (``"sha256"``), which still verifies. On Google Drive the MD5 is recorded too:
 Drive reports it for each uploaded file. Those the Trainer's resume loads
@@ -33,8 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from nbresume.checkpoint.backends.base import Backend, FreeSpace
-from nbresume.checkpoint.backends.local import LocalStore
+from nbresume.checkpoint.backends import READ_CHUNK, Backend, FreeSpace, LocalStore
 from nbresume.checkpoint.format import (
     HASH_DIGITS,
     MANIFEST_NAME,
@@ -45,17 +44,18 @@ from nbresume.checkpoint.format import (
     parse_step_dirname,
     step_dirname,
 )
-from nbresume.checkpoint.hashing import Digests
-from nbresume.checkpoint.info import CheckpointInfo
-from nbresume.checkpoint.pending import PendingCheckpoint
-from nbresume.checkpoint.reading import parse_json
-from nbresume.checkpoint.storage import READ_CHUNK
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.store import (
+    CheckpointInfo,
+    CheckpointStore,
+    Digests,
+    PendingCheckpoint,
+    parse_json,
+)
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
 from nbresume.hf import trainer_files
 
 if TYPE_CHECKING:
-    from nbresume.checkpoint.durability import Durability
+    from nbresume.checkpoint.backends import Durability
 
 #: The file that lists the framework's files the manifest cannot name, with their hashes.
 FILES_NAME = "nbresume_framework_files.json"
@@ -164,8 +164,7 @@ class _Named(Backend):
         return self.inner.free_space()
 
     def durability(self, folder: str, manifest: Manifest) -> Durability:
-        from nbresume.checkpoint.backends.drive import DriveStore
-        from nbresume.checkpoint.durability import FAILED, Durability
+        from nbresume.checkpoint.backends import FAILED, DriveStore, Durability
 
         real = self.names.real(folder)
         if not isinstance(self.inner, DriveStore):
@@ -333,7 +332,7 @@ def _algorithm(entry: Mapping[str, Any]) -> str:
 
 def framework_files(folder: Path) -> dict[str, dict[str, Any]]:
     """The framework files that :data:`FILES_NAME` in ``folder`` lists, by name (a regular
-    file of at most :data:`~nbresume.checkpoint.reading.MAX_JSON_BYTES`, its nesting bounded;
+    file of at most :data:`~nbresume.checkpoint.store.reading.MAX_JSON_BYTES`, its nesting bounded;
     every name a plain file name)."""
     where = str(folder / FILES_NAME)
     try:

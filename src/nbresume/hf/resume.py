@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from nbresume.checkpoint.info import CheckpointInfo
+from nbresume.checkpoint.store import CheckpointInfo
 from nbresume.errors import CorruptCheckpointError, UsageError
 from nbresume.frameworks import layout
 from nbresume.hf.folders import (

@@ -17,8 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from nbresume.checkpoint.generators import check_mt19937_position
-from nbresume.checkpoint.state import check_rng
+from nbresume.checkpoint.format import check_mt19937_position, check_rng
 from nbresume.errors import CorruptCheckpointError
 
 

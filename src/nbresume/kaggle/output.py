@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nbresume.checkpoint.format import MANIFEST_NAME, parse_step_dirname
-from nbresume.checkpoint.lease import LEASE_NAME
-from nbresume.checkpoint.store import CheckpointStore, VerifyReport
+from nbresume.checkpoint.store import LEASE_NAME, CheckpointStore, VerifyReport
 from nbresume.kaggle.client import Kaggle, safe_output_path
 from nbresume.kaggle.metadata import parse_ref
 

@@ -22,8 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nbresume.checkpoint.format import MANIFEST_NAME, step_dirname
-from nbresume.checkpoint.info import CheckpointInfo
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CorruptCheckpointError, UsageError
 from nbresume.kaggle.metadata import parse_ref
@@ -119,7 +118,7 @@ def _chosen(store: CheckpointStore, step: int | None, folder: str) -> Checkpoint
 
 
 def _caution_if_writing(store: CheckpointStore, out: Callable[[str], None]) -> None:
-    from nbresume.checkpoint.lease import live_holder
+    from nbresume.checkpoint.store import live_holder
 
     try:
         holder = live_holder(store.backend)

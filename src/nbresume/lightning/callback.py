@@ -31,7 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from nbresume.checkpoint.state import capture_rng, restore_rng
+from nbresume.checkpoint.format import capture_rng, restore_rng
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.frameworks.layout import committed
 from nbresume.lightning.checkpoint_io import CheckpointIO, read_document

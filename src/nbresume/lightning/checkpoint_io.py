@@ -3,9 +3,9 @@
 Lightning hands a checkpoint dictionary and a path such as ``.../epoch=0-step=10.ckpt``.
 That path becomes a *folder* holding an nbresume checkpoint store: the tensors of the
 dictionary in ``tensors.safetensors``, everything else in ``checkpoint.json`` (the same tagged
-JSON the Checkpointer writes, :mod:`nbresume.checkpoint.state`), committed and read back
-through :meth:`CheckpointStore.begin`. Saving ``last.ckpt`` again adds the new step to that
-folder and retention drops the older one once the new one verified.
+JSON the Checkpointer writes, :mod:`nbresume.checkpoint.format.state_document`), committed and
+read back through :meth:`CheckpointStore.begin`. Saving ``last.ckpt`` again adds the new step
+to that folder and retention drops the older one once the new one verified.
 
 On a local file system a new ``.ckpt`` folder is built under a hidden name beside it and
 renamed into place when its first checkpoint verified, so that a ``.ckpt`` that exists always
@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
 
-from nbresume.checkpoint import lightning_format
-from nbresume.checkpoint.info import CheckpointInfo
-from nbresume.checkpoint.lightning_format import DOCUMENT, FORMAT, FORMAT_VERSION, TENSORS
-from nbresume.checkpoint.state import flatten
-from nbresume.checkpoint.storage import LocalStore, fsync_folder
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.backends import LocalStore, fsync_folder
+from nbresume.checkpoint.format import LIGHTNING_DOCUMENT as DOCUMENT
+from nbresume.checkpoint.format import LIGHTNING_FORMAT as FORMAT
+from nbresume.checkpoint.format import LIGHTNING_FORMAT_VERSION as FORMAT_VERSION
+from nbresume.checkpoint.format import LIGHTNING_TENSORS as TENSORS
+from nbresume.checkpoint.format import decode_lightning, flatten
+from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
 from nbresume.errors import CheckpointError, NoCheckpointError, UsageError
 from nbresume.frameworks.layout import committed
 
@@ -322,7 +323,7 @@ def decode_checkpoint(
     """Rebuild the dictionary :func:`encode_checkpoint` split (CorruptCheckpointError if
     the document is not one: the check ``verify`` makes too)."""
     moved = {key: _mapped(t, map_location) for key, t in tensors.items()}
-    return lightning_format.decode(document, moved, where=where)
+    return decode_lightning(document, moved, where=where)
 
 
 def load_folder(location: str, map_location: Any | None = None) -> dict[str, Any]:
@@ -386,7 +387,7 @@ def ckpt_folders(directory: Path) -> list[Path]:
 def read_document(path: Path) -> Any:
     """The ``checkpoint.json`` document (its hash checked) of the newest checkpoint in the
     ``.ckpt`` folder ``path``, or ``None``."""
-    from nbresume.checkpoint.reading import parse_json
+    from nbresume.checkpoint.store import parse_json
 
     name = f"{DOCUMENT}.json"
     try:

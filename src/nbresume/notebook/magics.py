@@ -110,7 +110,7 @@ def status(args: list[str]) -> None:
 
 def _safe_to_close(ckpt: Any) -> str:
     """Whether the storage itself holds the newest checkpoint now (asked once, no waiting)."""
-    from nbresume.checkpoint.confirm import confirm
+    from nbresume.checkpoint.loop import confirm
 
     try:
         return f"safe to close: {confirm(ckpt.store, timeout=0)}"

@@ -119,14 +119,14 @@ def write_marker(
 
 
 def _on_drive(root: str) -> bool:
-    from nbresume.checkpoint.backends.registry import backend_kind
+    from nbresume.checkpoint.backends import backend_kind
 
     return backend_kind(root) == "drive"
 
 
 def _confirm_on_drive(root: str, name: str, data: bytes, timeout: float) -> None:
     """Wait until Drive reports the marker with its size and MD5; else remove it and raise."""
-    from nbresume.checkpoint.backends.drive import DriveStore
+    from nbresume.checkpoint.backends import DriveStore
 
     expected = {f"{name}.json": (len(data), hashlib.md5(data, usedforsecurity=False).hexdigest())}
     started = time.monotonic()

@@ -241,7 +241,7 @@ class Panel:
 
     def _data_wait_html(self) -> str:
         """The share of step time spent waiting for batches; the advice when input-bound."""
-        from nbresume.checkpoint.health import MIN_BATCHES, data_wait_of
+        from nbresume.checkpoint.state import MIN_BATCHES, data_wait_of
 
         ckpt = self.tracker.checkpointer
         wait = None if ckpt is None else data_wait_of(ckpt)
@@ -340,7 +340,7 @@ class Panel:
                 self._ask_again = False
 
     def _ask_once(self) -> None:
-        from nbresume.checkpoint.confirm import confirm
+        from nbresume.checkpoint.loop import confirm
         from nbresume.errors import CheckpointError
 
         ckpt = self.tracker.checkpointer

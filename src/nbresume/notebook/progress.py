@@ -28,7 +28,7 @@ from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.units import format_duration
 
 if TYPE_CHECKING:
-    from nbresume.checkpoint.checkpointer import Checkpointer
+    from nbresume.checkpoint.loop import Checkpointer
     from nbresume.preflight import Check, Report
     from nbresume.run import Run
 
@@ -710,7 +710,7 @@ class Tracker:
             if ckpt is not None:
                 free = ckpt.store.backend.free_space().bytes
             elif self.run is not None:
-                from nbresume.checkpoint.storage import open_store
+                from nbresume.checkpoint.backends import open_store
 
                 free = open_store(self.run.dir).free_space().bytes
         except Exception as exc:

@@ -81,7 +81,7 @@ class ClockLine:
 
 def clock_lines(platform: Platform, now: float | None = None) -> list[ClockLine]:
     """The danger clocks of ``platform`` with what is left of each, as far as it is known."""
-    from nbresume.checkpoint.deadline import session_started_at
+    from nbresume.checkpoint.loop import session_started_at
     from nbresume.platforms.gpu import accelerator_attached
 
     now = time.time() if now is None else now
@@ -163,7 +163,7 @@ def drive_facts(*, ask_quota: bool = True) -> DriveFacts:
     if not mounted or not ask_quota:
         return DriveFacts(str(mount), mounted, None, "" if mounted else "known once mounted")
     try:
-        from nbresume.checkpoint.backends.drive import DriveApi
+        from nbresume.checkpoint.backends import DriveApi
 
         quota = DriveApi.shared().quota()
     except Exception as exc:

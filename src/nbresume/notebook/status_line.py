@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe
-from nbresume.checkpoint.health import DataWaitShare
+from nbresume.checkpoint.state import DataWaitShare
 from nbresume.notebook.progress import (
     FAILED,
     SAVED,
@@ -118,7 +118,7 @@ class StatusLine:
 
     def _data_wait(self) -> DataWaitShare | None:
         """The share of step time the loop waits for batches, once enough were measured."""
-        from nbresume.checkpoint.health import MIN_BATCHES, data_wait_of
+        from nbresume.checkpoint.state import MIN_BATCHES, data_wait_of
 
         ckpt = self.tracker.checkpointer
         wait = None if ckpt is None else data_wait_of(ckpt)

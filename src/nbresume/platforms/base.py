@@ -140,9 +140,9 @@ class Platform(ABC):
         """When the platform will end this session (a Unix time) and what that is called.
 
         NBRESUME_SESSION_CAP replaces the platform's figure; the cap is counted from the
-        session's real start (see :func:`nbresume.checkpoint.deadline.session_started_at`).
+        session's real start (see :func:`nbresume.checkpoint.loop.session_started_at`).
         """
-        from nbresume.checkpoint.deadline import session_started_at
+        from nbresume.checkpoint.loop import session_started_at
 
         cap = knobs.session_cap()
         label = self.cap_name(accelerated)

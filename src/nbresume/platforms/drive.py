@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nbresume import knobs
-from nbresume.checkpoint.backends.drive import DriveApi, DriveStore
-from nbresume.checkpoint.durability import Durability
+from nbresume.checkpoint.backends import DriveApi, DriveStore, Durability
 from nbresume.errors import StorageError
 
 #: What ``drive_status`` reports per checkpoint (an alias: the state is generic).

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbresume.checkpoint.state import SavedState
+from nbresume.checkpoint.format import SavedState
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CheckpointError
 

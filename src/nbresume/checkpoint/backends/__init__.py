@@ -1,16 +1,40 @@
 """Storage backends: where checkpoint folders live, behind one protocol.
 
-:mod:`~nbresume.checkpoint.backends.base` states the protocol (:class:`Backend`);
-:mod:`~nbresume.checkpoint.backends.registry` maps a location to its backend and imports the
-backend's module only when a location of that kind is opened. The backends: a POSIX folder
-(:mod:`.local`), any fsspec file system (:mod:`.fsspec_store`), Google Drive's mount
-(:mod:`.drive`).
+The layer above :mod:`~nbresume.checkpoint.format`: :mod:`.base` states the protocol
+(:class:`Backend`) and the value a backend answers about durability (:class:`Durability`);
+:mod:`.registry` maps a location to its backend, importing a registered backend's module only
+when a location of its kind is opened. The built-in backends: a POSIX folder (:mod:`.local`,
+which also removes deleted checkpoints in the background), any fsspec file system
+(:mod:`.fsspec_store`), Google Drive's mount (:mod:`.drive`). How a checkpoint is committed
+through a backend is described at the top of :mod:`nbresume.checkpoint.store.store`.
+
+This package is the layer's API: the names below are what the rest of the package imports.
 """
 
 from __future__ import annotations
 
-from nbresume.checkpoint.backends.base import Backend, FreeSpace, Store
+from nbresume.checkpoint.backends.base import (
+    DELETING_PREFIX,
+    FAILED,
+    MISSING,
+    READ_CHUNK,
+    REPLACED_PREFIX,
+    SAVED,
+    SMALL_FILE_LIMIT,
+    SYNCING,
+    Backend,
+    Durability,
+    FreeSpace,
+    Store,
+    handle_size,
+    read_into,
+    replaced_step,
+)
+from nbresume.checkpoint.backends.drive import DriveApi, DriveStore
+from nbresume.checkpoint.backends.fsspec_store import FsspecStore
+from nbresume.checkpoint.backends.local import LocalStore, fsync_folder, wait_for_removals
 from nbresume.checkpoint.backends.registry import (
+    backend_kind,
     check_location,
     get_backend_class,
     open_store,
@@ -18,11 +42,30 @@ from nbresume.checkpoint.backends.registry import (
 )
 
 __all__ = [
+    "DELETING_PREFIX",
+    "FAILED",
+    "MISSING",
+    "READ_CHUNK",
+    "REPLACED_PREFIX",
+    "SAVED",
+    "SMALL_FILE_LIMIT",
+    "SYNCING",
     "Backend",
+    "DriveApi",
+    "DriveStore",
+    "Durability",
     "FreeSpace",
+    "FsspecStore",
+    "LocalStore",
     "Store",
+    "backend_kind",
     "check_location",
+    "fsync_folder",
     "get_backend_class",
+    "handle_size",
     "open_store",
+    "read_into",
     "register_backend",
+    "replaced_step",
+    "wait_for_removals",
 ]

@@ -7,7 +7,7 @@ no reader sees part of one, repairs what a killed writer left (:meth:`~Backend.r
 keeps small files directly below the root for the writer lease (:meth:`~Backend.read_small`,
 :meth:`~Backend.create_small`, :meth:`~Backend.replace_small`, :meth:`~Backend.remove_small`,
 :attr:`~Backend.writer_check`). It knows nothing of manifests' contents or tensors: that is the
-checkpoint store's job (:mod:`nbresume.checkpoint.store`), which commits through it.
+checkpoint store's job (:mod:`nbresume.checkpoint.store.store`), which commits through it.
 
 The backends themselves (local, fsspec, Google Drive) are found through
 :mod:`nbresume.checkpoint.backends.registry`.
@@ -87,9 +87,9 @@ class Backend(ABC):
     atomic_create: bool = False
     #: Seconds after its last renewal at which a writer lease taken on this store counts as
     #: abandoned, when the holder's process cannot be looked at (another machine); ``None``:
-    #: :data:`nbresume.checkpoint.lease.LEASE_EXPIRY_S`.
+    #: :data:`nbresume.checkpoint.store.lease.LEASE_EXPIRY_S`.
     lease_expiry_s: float | None = None
-    #: Set by the writer that holds this folder's lease (:mod:`nbresume.checkpoint.lease`):
+    #: Set by the writer that holds this folder's lease (:mod:`nbresume.checkpoint.store.lease`):
     #: called before anything that removes or commits a folder, it raises when that writer
     #: lost the lease. ``None`` (readers, and writers without a lease): nothing is checked.
     writer_check: Callable[[], None] | None = None

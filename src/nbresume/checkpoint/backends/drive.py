@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nbresume import knobs
-from nbresume.checkpoint import forksafe, removals
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.backends.base import (
     FAILED,
     MISSING,
@@ -36,7 +36,7 @@ from nbresume.checkpoint.backends.base import (
     SYNCING,
     Durability,
 )
-from nbresume.checkpoint.backends.local import LocalStore
+from nbresume.checkpoint.backends.local import LocalStore, remove_in_background
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX, Manifest
 from nbresume.errors import StorageError, UsageError
 
@@ -393,7 +393,7 @@ class DriveStore(LocalStore):
             finally:
                 self._delete_on_drive(folder, ids)
 
-        removals.start(remove)
+        remove_in_background(remove)
 
     def discard(self, folder: str) -> None:
         ids = self._drive_ids(folder) if (self.root / folder).exists() else []

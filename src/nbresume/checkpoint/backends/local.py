@@ -5,8 +5,27 @@ hidden sibling folder, every file and the folder are fsynced, and one atomic ren
 visible; the parent folder is then fsynced so that the rename survives a power cut. A step
 saved again moves the old copy aside first, and :meth:`LocalStore.recover` puts it back if the
 writer was killed in between. Deleting is a rename out of view (fsynced), then the removal of the
-hidden folder, in the background (:mod:`nbresume.checkpoint.removals`): the next save, and the
+hidden folder, in the background (:func:`remove_in_background`): the next save, and the
 interpreter's exit, wait for it.
+
+**Removal in the background.** Deleting a checkpoint is one rename to a hidden
+``.nbresume-old-deleting-...`` folder, with the parent folder fsynced (every reader stops
+seeing the checkpoint, durably, before :meth:`~nbresume.checkpoint.store.CheckpointStore.save`
+returns), then the removal of that folder's files, which costs tens of milliseconds for a
+checkpoint of 50 MB and hundreds for 500 MB. That removal runs in a kept thread
+(:class:`~nbresume.checkpoint.forksafe.Workers`) so that a save does not wait for it. What
+needs the disk space back waits for it first:
+
+- the next save of this process, before it cleans up, checks free space and writes
+  (:meth:`LocalStore.recover`, which every ``begin`` follows, calls :func:`wait_for_removals`),
+  and a framework's save that writes its own folder (``Watch.save_started``);
+- :meth:`CheckpointStore.wait_removals <nbresume.checkpoint.store.CheckpointStore.wait_removals>`
+  and a Checkpointer giving back its writer lease (``close()``, the end of a run);
+- a normal interpreter exit (an ``atexit`` hook; removals started after it run in the caller),
+  so that a script or a notebook kernel that ends leaves no hidden folder behind.
+
+A kill in the middle of a removal leaves the hidden folder, which the next writer's
+``recover()`` removes. A forked child does not wait for its parent's removals.
 
 Every file-system call of that protocol goes through one :class:`Files` object (the seam where
 the power-cut tests put a layer that loses what was not synced when the power goes).
@@ -14,20 +33,22 @@ the power-cut tests put a layer that loses what was not synced when the power go
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
 import io
+import logging
 import os
 import shlex
 import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from nbresume import knobs
-from nbresume.checkpoint import removals
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.backends.base import (
     DELETING_PREFIX,
     REPLACED_PREFIX,
@@ -37,8 +58,11 @@ from nbresume.checkpoint.backends.base import (
     _token,
     replaced_step,
 )
+from nbresume.checkpoint.forksafe import Workers
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX, Manifest
 from nbresume.errors import StorageError
+
+log = logging.getLogger("nbresume")
 
 
 class Files:
@@ -142,7 +166,7 @@ class LocalStore(Backend):
     atomic_rename = True
     atomic_create = True
     #: Whether :meth:`delete` removes the folder it took out of view in the background
-    #: (:mod:`nbresume.checkpoint.removals`) rather than before it returns.
+    #: (:func:`remove_in_background`) rather than before it returns.
     remove_in_background = True
 
     def __init__(self, root: str | os.PathLike[str], *, files: Files | None = None) -> None:
@@ -281,7 +305,7 @@ class LocalStore(Backend):
         self._check_writer()
         doomed = self._out_of_view(folder)
         if self.remove_in_background:
-            removals.start(functools.partial(self.files.remove_tree, doomed))
+            remove_in_background(functools.partial(self.files.remove_tree, doomed))
         else:
             self.files.remove_tree(doomed)
 
@@ -299,7 +323,7 @@ class LocalStore(Backend):
         self._check_writer()
         # The space of what retention deleted is back before the next save checks it and
         # writes (every begin() follows a recover()), and no folder is removed twice at once.
-        removals.wait()
+        wait_for_removals()
         cleaned = []
         for name in self.list_folders():
             if name == current or not name.startswith((TEMP_PREFIX, RETIRED_PREFIX)):
@@ -462,3 +486,78 @@ def fsync_folder(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+# -- removal in the background ------------------------------------------------------------------
+
+
+class Removals:
+    """Removals started by this process and not yet finished."""
+
+    def __init__(self) -> None:
+        self._changed = forksafe.condition()
+        self._pending = 0
+        self._exiting = False
+        # One thread: removals of one disk go no faster side by side, and each is waited for.
+        self._workers = Workers("nbresume-remove", 1)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        """In a forked child: the parent's removals are not this process's to wait for."""
+        self._pending = 0
+
+    def start(self, remove: Callable[[], None]) -> None:
+        """Run ``remove`` in the background; in the caller once the interpreter is exiting,
+        or where no thread can start. ``remove`` must not raise for a folder it could not
+        remove (a leftover hidden folder is removed by the next writer's ``recover()``)."""
+        with self._changed:
+            background = not self._exiting
+            if background:
+                self._pending += 1
+        if background:
+            if self._workers.submit(lambda: self._run(remove)):
+                return
+            self._finished()
+        remove()
+
+    def _run(self, remove: Callable[[], None]) -> None:
+        try:
+            remove()
+        except BaseException as exc:  # a job that raises would end the worker thread
+            log.debug("nbresume: a background removal failed: %r", exc)
+        finally:
+            self._finished()
+
+    def _finished(self) -> None:
+        with self._changed:
+            self._pending -= 1
+            self._changed.notify_all()
+
+    def wait(self) -> None:
+        """Return once every removal started so far has finished."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._pending == 0)
+
+    def at_exit(self) -> None:
+        """At interpreter exit: finish the removals; any later one runs in its caller."""
+        with self._changed:
+            self._exiting = True
+        self.wait()
+
+
+REMOVALS = Removals()
+# Registered when nbresume's store is imported (it imports this backend), before any
+# Checkpointer registers its own exit hook: hooks run last-registered first, so a
+# Checkpointer's final background save (and its retention) has finished before this one waits.
+atexit.register(REMOVALS.at_exit)
+
+
+def remove_in_background(remove: Callable[[], None]) -> None:
+    """Run ``remove`` (a folder's removal) in the background; see :class:`Removals`."""
+    REMOVALS.start(remove)
+
+
+def wait_for_removals() -> None:
+    """Return once every removal this process started has finished."""
+    REMOVALS.wait()

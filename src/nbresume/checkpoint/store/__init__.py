@@ -1,0 +1,80 @@
+"""The verified checkpoint store: write, commit, verify, keep, load, and one writer per folder.
+
+Above :mod:`~nbresume.checkpoint.format` and :mod:`~nbresume.checkpoint.backends`:
+:mod:`.pending` (a checkpoint being written, and its commit), :mod:`.hashing` (files written
+and read while they are hashed), :mod:`.reading` (verified reads, verification and the reading
+policy), :mod:`.info` (what the store reports), :mod:`.store` (:class:`CheckpointStore`:
+retention, the newest checkpoint that verifies), :mod:`.lease` and :mod:`.lease_holder` (the
+writer lease).
+
+This package is the layer's API: the names below are what the rest of the package imports.
+"""
+
+from __future__ import annotations
+
+from nbresume.checkpoint.store.hashing import (
+    Digests,
+    check_bytes,
+    check_hashes,
+    default_hash,
+    read_header,
+)
+from nbresume.checkpoint.store.info import (
+    CheckpointInfo,
+    LoadedCheckpoint,
+    VerifyReport,
+    VerifyResult,
+)
+from nbresume.checkpoint.store.lease import (
+    LEASE_NAME,
+    WriterLease,
+    acquire_writer_lease,
+    holding,
+    live_holder,
+)
+from nbresume.checkpoint.store.lease_holder import (
+    FUTURE_TOLERANCE_S,
+    Holder,
+    format_utc,
+    this_process,
+)
+from nbresume.checkpoint.store.pending import PendingCheckpoint, encode
+from nbresume.checkpoint.store.reading import (
+    decode_files,
+    has_manifest,
+    newest_that_loads,
+    parse_json,
+    verify_folder,
+)
+from nbresume.checkpoint.store.store import CheckpointStore, KeepBest, verify
+
+__all__ = [
+    "FUTURE_TOLERANCE_S",
+    "LEASE_NAME",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "Digests",
+    "Holder",
+    "KeepBest",
+    "LoadedCheckpoint",
+    "PendingCheckpoint",
+    "VerifyReport",
+    "VerifyResult",
+    "WriterLease",
+    "acquire_writer_lease",
+    "check_bytes",
+    "check_hashes",
+    "decode_files",
+    "default_hash",
+    "encode",
+    "format_utc",
+    "has_manifest",
+    "holding",
+    "live_holder",
+    "newest_that_loads",
+    "parse_json",
+    "read_header",
+    "this_process",
+    "verify",
+    "verify_folder",
+]
