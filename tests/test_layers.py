@@ -396,6 +396,30 @@ def test_the_core_has_no_import_circle() -> None:
     assert circles(core_imports()) == []
 
 
+def package_imports() -> dict[str, set[str]]:
+    """Every module of the package and the package's modules it imports, at any place in it;
+    ``from nbresume.x import name`` is an edge to ``nbresume.x`` (the module that runs)."""
+    names = {name for name, _, _ in modules()}
+
+    def module_of(target: str) -> str:
+        while target and target not in names:
+            target = target.rpartition(".")[0]
+        return target
+
+    graph: dict[str, set[str]] = {}
+    for name, path, tree in modules():
+        targets = {module_of(t) for _, t in imported(name, path, tree) if t.startswith("nbresume")}
+        graph[name] = {t for t in targets if t and t != name}
+    return graph
+
+
+def test_the_package_has_no_import_circle() -> None:
+    """Beyond the core too: the notebook layer, the CLI, the frameworks, Kaggle's commands. A
+    lower module reaches a higher one through a value handed to it (``run.provide_display``),
+    never by importing it, even inside a function."""
+    assert circles(package_imports()) == []
+
+
 def test_the_circle_finder_finds_a_circle_and_nothing_else() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -49,6 +49,7 @@ from nbresume.platforms.cgroup import cap_threads
 from nbresume.platforms.cgroup import read_cpu as _read_cpu
 from nbresume.preflight import Check, Report, preflight
 from nbresume.run import Run, current_run, init
+from nbresume.run import provide_display as _provide_display
 from nbresume.slurm import after_stop_save as _slurm_after_stop_save
 
 # The checkpoint core imports nothing above it: the platform's facts are handed to it here.
@@ -68,6 +69,16 @@ def _follow(checkpointer: object) -> None:
 
 
 _events.provide_default_watcher(_follow)
+
+
+def _show_new_run(run: Run) -> None:
+    # How nbresume.init shows a run: the notebook layer, imported only when a run starts.
+    from nbresume.notebook import show_new_run
+
+    show_new_run(run)
+
+
+_provide_display(_show_new_run)
 
 
 def load_ipython_extension(ipython: Any) -> None:

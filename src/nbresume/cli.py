@@ -192,7 +192,8 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
 
     from nbresume.checkpoint.store import CheckpointStore
     from nbresume.checkpoint.units import format_duration
-    from nbresume.frameworks.layout import local_kind, resumable
+    from nbresume.frameworks.layout import local_kind
+    from nbresume.frameworks.resumable import resumable
     from nbresume.runner import find_state
 
     now = time.time() if now is None else now
@@ -565,7 +566,7 @@ def _add_kaggle_parsers(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nbresume import __version__
+    from nbresume.checkpoint.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="nbresume",

@@ -9,8 +9,6 @@ verified against its manifest.
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
 import random
 import shutil
@@ -18,65 +16,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 MARKER = ".nbresume-demo"
 TOTAL_STEPS = 120
-
-
-def _train(folder: str, total: int) -> None:
-    """The training job: the same code a user would write (run in a child process)."""
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import nbresume
-
-    torch.manual_seed(0)
-    random.seed(0)  # its state is saved too: seeded, every checkpoint has the same bytes each time
-    torch.set_num_threads(1)
-    features = torch.randn(512, 32)
-    labels = (features[:, :4].sum(dim=1) > 0).long()
-    loader = DataLoader(TensorDataset(features, labels), batch_size=32, shuffle=True)
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
-
-    # The demo tells the story itself: no status line, and the takeover of the writer lease
-    # of the process it just killed is expected here, not worth a warning.
-    logging.getLogger("nbresume").setLevel(logging.ERROR)
-    ckpt = nbresume.Checkpointer(
-        folder,
-        every=10,
-        keep=3,
-        quiet=True,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-    )
-    start = ckpt.restore()
-    print(f"start {start}", flush=True)
-    batches = ckpt.loader(loader).batches()
-    for step in ckpt.steps(total):
-        x, y = next(batches)
-        noisy = x + 0.05 * torch.randn_like(x)  # randomness in the loop, restored exactly
-        loss = nn.functional.cross_entropy(model(noisy), y)
-        optimizer.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        scheduler.step()
-        print(f"step {step + 1}", flush=True)
-    ckpt.close()
-    print(f"final {weights_hash(model)}", flush=True)
-
-
-def weights_hash(model: Any) -> str:
-    """SHA-256 over every parameter and buffer, in name order."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _run(folder: Path, kill_after: int | None, rng: random.Random) -> tuple[int, str, int]:
@@ -84,7 +26,7 @@ def _run(folder: Path, kill_after: int | None, rng: random.Random) -> tuple[int,
 
     Returns (step it started from, its final hash or "", last step it printed)."""
     child = subprocess.Popen(
-        [sys.executable, "-m", "nbresume.demo", "--train", str(folder), str(TOTAL_STEPS)],
+        [sys.executable, "-m", "nbresume.demo_job", str(folder), str(TOTAL_STEPS)],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -164,8 +106,3 @@ def run_demo(folder: str, *, seed: int | None = None) -> int:
         return 0
     print("The promise did not hold.", file=sys.stderr)
     return 1
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--train":
-        _train(sys.argv[2], int(sys.argv[3]))

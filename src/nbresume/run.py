@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -160,12 +161,19 @@ def init(
     run = Run(name=name, platform=here, dir=target, report=report, keep=keep, seeded=seeded)
     _Latest.run = run
     if not quiet:
-        from nbresume.notebook import in_notebook, setup_panel, show
-
-        if in_notebook():  # the setup panel first: Drive, the Kaggle inputs, the clocks
+        if _DISPLAY:
+            _DISPLAY[0](run)
+        else:
             print(run.summary())
-            setup_panel.show(run=run)
-        elif not setup_panel.print_text(run):  # its text, the first time in a process
-            print(run.summary())
-        show(run)  # the panel in a notebook, a status line elsewhere (light when neither)
     return run
+
+
+#: How a new run is shown where it runs (the setup panel and the training panel in a notebook,
+#: the status line elsewhere), provided by ``nbresume/__init__.py``: the notebook layer sits
+#: above this module, which therefore does not import it. Without it, the summary is printed.
+_DISPLAY: list[Callable[[Run], None]] = []
+
+
+def provide_display(display: Callable[[Run], None]) -> None:
+    """Set how :func:`init` shows a new run (see :data:`_DISPLAY`)."""
+    _DISPLAY[:] = [display]

@@ -848,7 +848,8 @@ def _judge_framework(
 ) -> tuple[list[str], bool, str]:
     """:func:`_judge_checkpoint` of a framework's folder: the checkpoint that framework's own
     resume takes (every file of it read back), and the newer ones it passes over."""
-    from nbresume.frameworks.layout import DESCRIPTION, RESUME, resumable
+    from nbresume.frameworks.layout import DESCRIPTION, RESUME
+    from nbresume.frameworks.resumable import resumable
 
     try:
         found = resumable(path, kind)
@@ -880,7 +881,8 @@ def _judge_framework(
 
 def _framework_newest(path: Path, kind: str) -> str:
     """The restart line's words for a framework's folder: what its own resume takes."""
-    from nbresume.frameworks.layout import NAME, RESUME, resumable
+    from nbresume.frameworks.layout import NAME, RESUME
+    from nbresume.frameworks.resumable import resumable
 
     try:
         found = resumable(path, kind)

@@ -90,16 +90,16 @@ def ipshell(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     from nbresume import run as run_module
     from nbresume.checkpoint import events
-    from nbresume.notebook import _extension, progress
+    from nbresume.notebook import extension_state, progress
 
     shell = start_ipython() or TerminalInteractiveShell.instance()  # started once per process
     monkeypatch.setattr(progress, "_TRACKER", None)
-    monkeypatch.setattr(_extension, "_STATE", None)
+    monkeypatch.setattr(extension_state, "_STATE", None)
     monkeypatch.setattr(events, "_watchers", [])
     monkeypatch.setattr(run_module._Latest, "run", None)
     shell.extension_manager.loaded.discard("nbresume")
     yield shell
-    state = _extension._STATE
+    state = extension_state._STATE
     if state is not None:
         state.unregister(shell)
         state.tracker.stop()

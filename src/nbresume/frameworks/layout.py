@@ -168,17 +168,6 @@ def newest_ckpt(folders: Iterable[Path]) -> Resumable:
     return Resumable(LIGHTNING, passed_over=tuple(passed), created_times=times)
 
 
-def resumable(path: Path, kind: str) -> Resumable:
-    """What the framework's own resume takes from its folder ``path`` of layout ``kind``
-    (:func:`kind_of`): the Trainer's and Accelerate's through ``nbresume.hf``'s own search,
-    Lightning's through :func:`newest_ckpt`. Every file of the checkpoint found is read back."""
-    if kind == LIGHTNING:
-        return newest_ckpt([path])
-    from nbresume.hf.resume import find_checkpoint
-
-    return find_checkpoint(path)
-
-
 def _pickled(directory: Path) -> list[str]:
     """``.ckpt`` files (pickles Lightning wrote without nbresume) in ``directory``."""
     try:
@@ -311,6 +300,5 @@ __all__ = [
     "local_kind",
     "newest_ckpt",
     "pull_refusal",
-    "resumable",
     "verify_lines",
 ]

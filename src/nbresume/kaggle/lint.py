@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nbresume.kaggle.notebook import Cell, Notebook
+from nbresume.kaggle.secrets import kinds_in
 
 Severity = Literal["error", "warn"]
 
@@ -54,6 +55,17 @@ _SHELL_OR_MAGIC = re.compile(r"^\s*(!|%)")
 _INIT_NAMES = {"init", "preflight"}
 
 
+def cell_name(cell: Cell) -> str:
+    """``cell 4 (`model.fit(...)`)``: how messages name a cell; never with its first line where
+    that line holds a credential (:func:`~nbresume.kaggle.secrets.kinds_in`)."""
+    first = cell.first_line
+    if kinds_in(first):
+        return f"cell {cell.number}"
+    if len(first) > 60:
+        first = first[:57] + "..."
+    return f"cell {cell.number} (`{first}`)" if first else f"cell {cell.number}"
+
+
 @dataclass(frozen=True)
 class Finding:
     """One problem: the rule, how bad, the cell (``None``: the whole notebook), and the fix."""
@@ -65,7 +77,7 @@ class Finding:
     cell: Cell | None = None
 
     def __str__(self) -> str:
-        where = f"{self.cell.describe()}: " if self.cell is not None else ""
+        where = f"{cell_name(self.cell)}: " if self.cell is not None else ""
         return f"{self.severity} [{self.rule}] {where}{self.message}. Fix: {self.fix}"
 
 

@@ -46,17 +46,6 @@ class Cell:
                 return line.strip()
         return ""
 
-    def describe(self) -> str:
-        """``cell 4 (`model.fit(...)`)``: how messages name a cell."""
-        from nbresume.kaggle.secrets import kinds_in
-
-        first = self.first_line
-        if kinds_in(first):  # a message never shows a credential
-            return f"cell {self.number}"
-        if len(first) > 60:
-            first = first[:57] + "..."
-        return f"cell {self.number} (`{first}`)" if first else f"cell {self.number}"
-
     def python(self) -> ast.Module | None:
         """The cell parsed as Python, IPython lines blanked out; ``None`` when it is a cell magic
         (``%%bash``) or does not parse."""

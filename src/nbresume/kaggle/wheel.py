@@ -67,8 +67,6 @@ def build_wheel(dest: Path) -> Path:
     """Write ``nbresume-<version>-py3-none-any.whl`` into ``dest`` and return its path."""
     from importlib import metadata
 
-    import nbresume
-
     try:
         dist = metadata.distribution("nbresume")
         meta_text = dist.read_text("METADATA")
@@ -81,7 +79,7 @@ def build_wheel(dest: Path) -> Path:
             "--internet",
         )
     version = dist.version
-    package = Path(nbresume.__file__).parent
+    package = Path(__file__).parent.parent  # the nbresume package
     entries: list[tuple[str, bytes]] = []
     for path in sorted(package.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":

@@ -8,23 +8,13 @@ imported only when a notebook is actually there.
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any
+
+from nbresume.notebook.shell import in_notebook
+from nbresume.notebook.shell import ipython_shell as _ipython_shell
 
 if TYPE_CHECKING:
     from nbresume.run import Run
-
-
-def _ipython_shell() -> Any:
-    """The running IPython shell, found without importing IPython (a kernel has imported it)."""
-    module = sys.modules.get("IPython")
-    get = getattr(module, "get_ipython", None)
-    return get() if get is not None else None
-
-
-def in_notebook() -> bool:
-    """Whether this process is a notebook kernel (Jupyter, Colab, Kaggle, VS Code)."""
-    return getattr(_ipython_shell(), "kernel", None) is not None
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -58,6 +48,20 @@ def show(run: Run | None = None) -> None:
         status_line.attach(tracker())
 
 
+def show_new_run(run: Run) -> None:
+    """What ``nbresume.init`` shows of a new run: in a notebook the setup panel first (Drive,
+    the Kaggle inputs, the clocks), elsewhere its text the first time in a process; then the
+    run live (:func:`show`)."""
+    from nbresume.notebook import setup_panel
+
+    if in_notebook():
+        print(run.summary())
+        setup_panel.show(run=run)
+    elif not setup_panel.print_text(run):
+        print(run.summary())
+    show(run)
+
+
 def hide() -> None:
     """Stop the status line (the panel stays where it was displayed)."""
     from nbresume.notebook import status_line
@@ -66,4 +70,11 @@ def hide() -> None:
     status_line.detach(tracker())
 
 
-__all__ = ["hide", "in_notebook", "load_ipython_extension", "show", "unload_ipython_extension"]
+__all__ = [
+    "hide",
+    "in_notebook",
+    "load_ipython_extension",
+    "show",
+    "show_new_run",
+    "unload_ipython_extension",
+]

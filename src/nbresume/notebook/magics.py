@@ -22,6 +22,7 @@ from IPython.core.error import UsageError
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import NbresumeError
 from nbresume.notebook import once as markers
+from nbresume.notebook.extension_state import ExtensionState, state
 
 USAGE = """\
 %nbresume doctor [--json] [--accelerator KIND] [--internet|--no-internet] [--dir DIR]
@@ -90,10 +91,8 @@ def _cli_or_fail(argv: list[str]) -> int:
     return code
 
 
-def _state() -> Any:
-    from nbresume.notebook import _extension
-
-    return _extension.state()
+def _state() -> ExtensionState:
+    return state()
 
 
 def status(args: list[str]) -> None:

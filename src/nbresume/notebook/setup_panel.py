@@ -645,7 +645,7 @@ def show(report: Report | None = None, run: Run | None = None) -> SetupPanel | N
     panel: a later ``nbresume.init`` updates it in place with the run (its folder, the Kaggle
     inputs). Returns it; ``None`` outside a notebook or without ipywidgets."""
     global _PANEL  # noqa: PLW0603
-    from nbresume.notebook import in_notebook
+    from nbresume.notebook.shell import in_notebook
 
     if not in_notebook():
         return None

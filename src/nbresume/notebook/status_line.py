@@ -215,11 +215,11 @@ def follow(checkpointer: Any) -> None:
     not in IPython (a notebook shows the panel once ``%load_ext nbresume`` ran), and only in
     the process that leads a ``torch.distributed`` job (``RANK`` 0).
     """
-    from nbresume.notebook import _ipython_shell
     from nbresume.notebook.progress import tracker
+    from nbresume.notebook.shell import ipython_shell
     from nbresume.run import current_run
 
-    if current_run() is not None or _ipython_shell() is not None:
+    if current_run() is not None or ipython_shell() is not None:
         return
     if os.environ.get("RANK", "0") != "0":
         return
