@@ -18,6 +18,7 @@ test can tell where a run was killed.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -117,6 +118,10 @@ def record(log: Path, line: str) -> None:
         handle.write(line + "\n")
 
 
+#: Seconds after which the run prints every thread's stack (the test waits 300 s).
+STACKS_AFTER_S = 200
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root", type=Path)
@@ -127,6 +132,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--epoch-end", action="store_true", help="save last.ckpt at epoch ends")
     parser.add_argument("--drive", action="store_true", help="checkpoints below MyDrive")
     args = parser.parse_args(argv)
+    # A run that should have ended (or been killed) long ago prints every thread's stack, even
+    # one stuck holding the GIL: the test shows it when the run times out.
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False)
     torch.set_num_threads(1)
     L.seed_everything(7, workers=True, verbose=False)
     plan_text = os.environ.get("NBRESUME_TEST_KILL", "")

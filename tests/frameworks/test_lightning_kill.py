@@ -27,6 +27,7 @@ pytest.importorskip("lightning")
 
 import torch
 from safetensors.torch import load_file
+from tests.session_run import run_in_session
 
 import nbresume
 import nbresume.lightning
@@ -37,13 +38,20 @@ pytestmark = pytest.mark.slow
 
 def run(root: Path, *args: str, kill: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NBRESUME_TEST_KILL": kill}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(root), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    root.mkdir(parents=True, exist_ok=True)
+    runs = len(list(root.glob("run-*.err")))
+    try:
+        return run_in_session(
+            [sys.executable, str(SCRIPT), str(root), *args],
+            env=env,
+            timeout=300,
+            output=root / f"run-{runs}",
+        )
+    except subprocess.TimeoutExpired:  # its threads' stacks are at the end of its stderr
+        log = (root / "events.log").read_text() if (root / "events.log").exists() else ""
+        stderr = (root / f"run-{runs}.err").read_text(errors="replace")
+        pytest.fail(f"the run (kill plan {kill!r}) hung; its events:\n{log[-1500:]}\n"
+                    f"its stderr:\n{stderr[-8000:]}")  # fmt: skip
 
 
 def events(root: Path) -> list[str]:
