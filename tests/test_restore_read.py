@@ -16,6 +16,7 @@ from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore, NoCheckpointError
 from nbresume.checkpoint.format import step_dirname
+from nbresume.checkpoint.store import hashing, reading
 
 #: Above the size from which a read prepares the rest of its file (two 8 MiB pieces).
 MB = 1 << 20
@@ -109,3 +110,71 @@ def test_a_failed_hash_leaves_the_model_as_the_older_checkpoint_left_it(tmp_path
     ckpt.close()
     for key, value in restored.state_dict().items():
         assert same_bits(value, saved[key])
+
+
+@pytest.mark.parametrize("prefault", ["thread", "missing", "at once"])
+def test_memory_faulted_in_ahead_or_not_gives_the_same_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefault: str
+) -> None:
+    # "thread": a thread faults the pages in ahead of the read, in many small pieces;
+    # "missing": the call is refused (a kernel before 5.14), the read faults pages itself;
+    # "at once": no prefaulting here at all, every page is faulted in before the read.
+    monkeypatch.setattr(hashing, "PREFAULT_PIECE", 1 << 20)
+    if prefault == "missing":
+        monkeypatch.setattr(hashing, "_populate", lambda address, count: False)
+    if prefault == "at once":
+        monkeypatch.setattr(reading, "can_prefault", lambda: False)
+    started: list[hashing.Prefault] = []
+    real = hashing.Prefault
+
+    class Recorded(real):  # type: ignore[valid-type,misc]
+        def __init__(self, buffer: memoryview) -> None:
+            super().__init__(buffer)
+            started.append(self)
+
+    monkeypatch.setattr(reading, "Prefault", Recorded)
+    state = big_state(3)
+    store = CheckpointStore(tmp_path / "run", keep=None)
+    store.save(1, tensors=state)
+    loaded = store.load()
+    for name, tensor in state["model"].items():
+        assert same_bits(loaded.tensors["model"][name], tensor)
+    assert len(started) == (0 if prefault == "at once" else 1)
+    for ahead in started:
+        assert ahead._finished  # closed: no thread touches the memory any more
+    if prefault == "thread" and hashing.can_prefault():
+        assert started[0]._done == started[0]._size
+
+
+def test_a_read_that_fails_stops_the_thread_faulting_its_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = CheckpointStore(tmp_path / "run", keep=None)
+    store.save(1, tensors=big_state(4))
+    started: list[hashing.Prefault] = []
+    real = hashing.Prefault
+
+    class Recorded(real):  # type: ignore[valid-type,misc]
+        def __init__(self, buffer: memoryview) -> None:
+            super().__init__(buffer)
+            started.append(self)
+
+    real_read = hashing.read_into
+
+    def failing_read(handle: object, buffer: memoryview) -> int:
+        if started:  # past the header, once its memory is being faulted in: the disk fails
+            raise OSError(5, "Input/output error")
+        return real_read(handle, buffer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reading, "Prefault", Recorded)
+    monkeypatch.setattr(hashing, "read_into", failing_read)
+    with pytest.raises(NoCheckpointError):
+        store.load()
+    assert len(started) == 1
+    assert started[0]._finished  # stopped: no thread touches the memory any more
+
+    memory = hashing.new_buffer(64 * MB)
+    ahead = hashing.Prefault(memory)
+    ahead.close()  # asked to stop at once: it stops within a piece
+    assert ahead._finished
+    assert ahead._done <= hashing.PREFAULT_PIECE

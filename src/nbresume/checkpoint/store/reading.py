@@ -60,7 +60,9 @@ from nbresume.checkpoint.store.hashing import (
     Buffer,
     Digests,
     Head,
+    Prefault,
     ReadBackBuffers,
+    can_prefault,
     check_hashes,
     check_size,
     new_buffer,
@@ -282,6 +284,7 @@ def read_verified(
     """
     pending: list[tuple[str, FileEntry, Any, int, Digests]] = []
     placed = DeviceReader()
+    ahead: Prefault | None = None
     try:
         for file_name, entry in sorted(files.items(), key=lambda item: -item[1].size):
             where = store.child(name, file_name)
@@ -312,9 +315,12 @@ def read_verified(
                             if on_device is not None:
                                 buffer, size = on_device
                             elif checked:
-                                buffer = ready_for_rest(handle, buffer, size)
+                                buffer, ahead = ready_for_rest(handle, buffer, size)
                         if isinstance(buffer, memoryview):  # else read to its end already
-                            size += read_hashing(handle, buffer[size:], digests)
+                            size += read_hashing(handle, buffer[size:], digests, ahead, size)
+                        if ahead is not None:
+                            ahead.close()
+                            ahead = None
                         if size == entry.size and handle.read(1):
                             size += 1  # more bytes than the manifest says
             except FileNotFoundError:
@@ -331,6 +337,8 @@ def read_verified(
             out[file_name] = buffer
         return out
     finally:
+        if ahead is not None:
+            ahead.close()
         for *_, digests in pending:
             digests.cancel()
 
@@ -465,21 +473,28 @@ def _host_buffer(pinned: bool) -> Any:
 READY_MIN_BYTES = 2 * READ_CHUNK
 
 
-def ready_for_rest(handle: IO[bytes], buffer: memoryview, start: int) -> memoryview:
+def ready_for_rest(
+    handle: IO[bytes], buffer: memoryview, start: int
+) -> tuple[memoryview, Prefault | None]:
     """Once a file's header is checked, get the disk and the memory ready for the rest of it:
     the file is asked for into the page cache (``posix_fadvise(WILLNEED)``, so that the disk
-    reads while memory is prepared), and the bytes read so far move into memory whose pages
-    are all faulted in at once (:func:`new_buffer` with ``populate``), which costs less than
-    a fault per page during the read. Returns the buffer to read the rest into. Only what the
-    read fills anyway is asked for: it runs once the header is checked against the file's
-    size."""
+    reads while memory is prepared), and the bytes read so far move into fresh memory whose
+    pages a thread faults in ahead of the read (:class:`~nbresume.checkpoint.hashing.Prefault`,
+    returned: the read waits for each piece's pages), or, where that cannot run, all at once
+    (:func:`new_buffer` with ``populate``); either costs less than a fault per page during the
+    read. Returns the buffer to read the rest into. Only what the read fills anyway is asked
+    for: it runs once the header is checked against the file's size."""
     if buffer.nbytes - start < READY_MIN_BYTES:
-        return buffer
+        return buffer, None
     with contextlib.suppress(AttributeError, OSError, ValueError):  # no descriptor, not Linux
         os.posix_fadvise(handle.fileno(), start, buffer.nbytes - start, os.POSIX_FADV_WILLNEED)
+    if can_prefault():
+        ready = new_buffer(buffer.nbytes)
+        ready[:start] = buffer[:start]
+        return ready, Prefault(ready)
     ready = new_buffer(buffer.nbytes, populate=True)
     ready[:start] = buffer[:start]
-    return ready
+    return ready, None
 
 
 def read_checked_head(
