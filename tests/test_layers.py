@@ -326,6 +326,23 @@ def test_no_module_outside_the_checkpointer_uses_its_private_members() -> None:
     assert not found, problem + ":\n" + "\n".join(found)
 
 
+#: The backends' modules, the only ones that may use a backend's private members.
+BACKEND_MODULES = frozenset(
+    name for name, _, _ in modules() if name.startswith("nbresume.checkpoint.backends")
+)
+BACKEND_CLASSES = ("Backend", "LocalStore", "FsspecStore", "DriveStore", "DriveApi")
+
+
+def test_no_module_outside_the_backends_uses_their_private_members() -> None:
+    classes = classes_in(BACKEND_MODULES, BACKEND_CLASSES)
+    assert set(classes) == set(BACKEND_CLASSES)
+    members = private_members(classes, BACKEND_MODULES)
+    assert "_check_writer" in members  # what the check looks for is there to find
+    found = private_uses(members, BACKEND_MODULES)
+    problem = "private members of a backend used outside the backends"
+    assert not found, problem + ":\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
