@@ -172,3 +172,15 @@ def test_a_caller_that_stops_early_stops_the_reader_before_it_returns(
     handle.close()
     time.sleep(0.05)
     assert handle.reads == reads  # nothing read after the caller returned
+
+
+def test_without_a_reader_thread_the_pieces_are_read_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An interpreter far in its shutdown starts no thread: the same bytes, read in turn.
+    monkeypatch.setattr(reading._READERS, "submit", lambda job: False)
+    data = bytes(range(256)) * 200
+    head = memoryview(bytearray(len(data)))
+    target, size = reading.DeviceReader().read(Handle(data), head, 0, digests(), CPU)  # type: ignore[misc]
+    assert size == len(data)
+    assert bytes(target.numpy()) == data

@@ -178,3 +178,24 @@ def test_a_read_that_fails_stops_the_thread_faulting_its_memory(
     ahead.close()  # asked to stop at once: it stops within a piece
     assert ahead._finished
     assert ahead._done <= hashing.PREFAULT_PIECE
+
+
+def test_only_a_kernel_without_the_call_turns_prefaulting_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ctypes
+    import errno
+
+    failing: list[int] = [errno.ENOMEM]
+
+    def madvise(address: int, count: int, advice: int) -> int:
+        ctypes.set_errno(failing[0])
+        return -1
+
+    monkeypatch.setattr(hashing, "_madvise", lambda: madvise)
+    monkeypatch.setattr(hashing, "_POPULATE_WRITE", [23])
+    assert not hashing._populate(0, 4096)
+    assert hashing._POPULATE_WRITE == [23]  # out of memory once: asked again next time
+    failing[0] = errno.EINVAL
+    assert not hashing._populate(0, 4096)
+    assert hashing._POPULATE_WRITE == []  # not supported here: never asked again

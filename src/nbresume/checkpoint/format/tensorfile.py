@@ -341,14 +341,7 @@ def decode(
     try:
         return _decode(buffer, data_start, specs, where, framework)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        # A shape the header allows but the framework cannot build (a zero-sized tensor with
-        # a dimension beyond 2**63, more dimensions than NumPy supports). torch appends a C++
-        # stack to its messages: keep the first line.
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise CorruptCheckpointError(
-            f"not a valid safetensors file: a tensor's shape cannot be built ({reason})",
-            where=where,
-        ) from None
+        raise _unbuildable(exc, where) from None
 
 
 def _decode(
@@ -421,13 +414,20 @@ def decode_device(data: Any, *, where: str) -> dict[str, Any]:
                 raw = raw.cpu()
             out[name] = raw.view(dtype).reshape(spec.shape)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise CorruptCheckpointError(
-            f"not a valid safetensors file: a tensor's shape cannot be built ({reason})",
-            where=where,
-        ) from None
+        raise _unbuildable(exc, where) from None
     return out
 
 
 def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unbuildable(exc: BaseException, where: str) -> CorruptCheckpointError:
+    """The error for a shape the header allows but the framework cannot build (a zero-sized
+    tensor with a dimension beyond 2**63, more dimensions than NumPy supports). torch appends
+    a C++ stack to its messages: the first line is kept."""
+    reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return CorruptCheckpointError(
+        f"not a valid safetensors file: a tensor's shape cannot be built ({reason})",
+        where=where,
+    )

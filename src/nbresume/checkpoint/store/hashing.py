@@ -368,8 +368,12 @@ def _populate(address: int, count: int) -> bool:
         return False
     if madvise(address, count, _POPULATE_WRITE[0]) == 0:
         return True
-    _POPULATE_WRITE.clear()  # EINVAL: a kernel before 5.14; no use asking again
-    return False
+    import ctypes
+    import errno
+
+    if ctypes.get_errno() == errno.EINVAL:
+        _POPULATE_WRITE.clear()  # a kernel before 5.14: no use asking again
+    return False  # else (out of memory, a signal): this read faults its own pages
 
 
 _LIBC: list[Any] = []

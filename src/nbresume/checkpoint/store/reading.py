@@ -431,6 +431,8 @@ class DeviceReader:
             for slot in itertools.cycle(range(len(self._ring))):
                 if start >= end:
                     return
+                if self._copied[slot] is not None:
+                    self._copied[slot].synchronize()  # its last piece is on the device
                 piece = self._ring[slot][: min(DEVICE_PIECE, end - start)]
                 count = read_into(handle, memoryview(piece.numpy()))
                 if count:
