@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,35 @@ if TYPE_CHECKING:
 # port, so "internet" is deterministically off unless a test brings its own loopback server.
 os.environ.setdefault("NBRESUME_PROBE_HOST", "127.0.0.1")
 os.environ.setdefault("NBRESUME_PROBE_PORT", "9")
+
+_SANDBOX = pytest.StashKey[tuple[str, str | None]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give this test process (and every process it starts) a temporary folder of its own,
+    removed when the process ends.
+
+    Tests SIGKILL training runs on purpose; what such a run had in the temporary folder
+    (multiprocessing's ``pymp-*`` folders, a half-written ``torch.save``) is never cleaned up
+    by the run itself, and neither is what a library keeps there (IPython's test shell keeps
+    its history database). pytest's own ``tmp_path`` folders stay where pytest keeps them."""
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    sandbox = tempfile.mkdtemp(prefix="nbresume-tests-")
+    config.stash[_SANDBOX] = (sandbox, os.environ.get("TMPDIR"))
+    os.environ["TMPDIR"] = sandbox
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    sandbox, before = config.stash.get(_SANDBOX, (None, None))
+    if sandbox is None:
+        return
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    shutil.rmtree(sandbox, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
