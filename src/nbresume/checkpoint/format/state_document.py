@@ -258,7 +258,7 @@ class SavedState:
     ended_early: dict[str, Any] | None = None
     #: Gradients pending between two optimizer steps: ``{optimizer: {"<g>.<i>": tensor}}``.
     gradients: dict[str, Any] = field(default_factory=dict)
-    #: Parameter groups optimizers gained during training (see checkpoint/state/param_groups.py).
+    #: Parameter groups optimizers gained during training (checkpoint/state/optimizer_extras.py).
     added_groups: dict[str, Any] = field(default_factory=dict)
 
 
@@ -371,7 +371,7 @@ def decode_state(
 
 def check_added_groups(document: Any) -> bool:
     """Whether ``document`` is a valid ``added_groups`` member (the parameter groups optimizers
-    gained during training: :mod:`~nbresume.checkpoint.state.param_groups`)."""
+    gained during training: :mod:`~nbresume.checkpoint.state.optimizer_extras`)."""
     return isinstance(document, dict) and all(
         isinstance(entry, dict)
         and isinstance(entry.get("from"), int)

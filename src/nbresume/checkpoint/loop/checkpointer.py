@@ -58,10 +58,9 @@ from nbresume.checkpoint.state import (
     TrainableOnly,
     capture,
     determinism,
-    gradients,
     health,
     is_generator,
-    param_groups,
+    optimizer_extras,
     restoring,
 )
 from nbresume.checkpoint.store import (
@@ -170,7 +169,7 @@ class Checkpointer:
         #: The loop of epochs(), and what the wrapped loaders tell it.
         self._epoch_loop = Epochs(self)
         #: Which registered optimizers stepped in the running step (pending gradients).
-        self._step_watch = gradients.StepWatch()
+        self._step_watch = optimizer_extras.StepWatch()
         #: The parameter groups each optimizer had when registered, by id.
         self._initial_groups: dict[int, int] = {}
         self._trainable_only = trainable_only
@@ -215,7 +214,7 @@ class Checkpointer:
             value = ResumableLoader(value)
         if is_generator(value):
             value = GeneratorState(value)  # restored into the same object
-        if gradients.is_optimizer(value):
+        if optimizer_extras.is_optimizer(value):
             self._step_watch.watch(value)
             self._initial_groups.setdefault(id(value), len(value.param_groups))
         if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
@@ -292,9 +291,11 @@ class Checkpointer:
     def _apply_plan(self, plan: restoring.RestorePlan) -> None:
         """Put a checked plan into every object and RNG (all or nothing), then take its
         values and counters."""
-        grads = gradients.plan_put_back(self._objects, plan.saved.gradients, where=plan.where)
+        grads = optimizer_extras.plan_gradients_back(
+            self._objects, plan.saved.gradients, where=plan.where
+        )
         restoring.apply(plan, self._objects, self._pending_objects)
-        gradients.put_back(grads)
+        optimizer_extras.put_gradients_back(grads)
         saved = plan.saved
         self._values.update(saved.values)
         self.step = saved.step
@@ -424,7 +425,7 @@ class Checkpointer:
             sharded=sharded,
             ended_early=self._ended_early if self.done else None,
             gradients=self._pending_gradients(one_process=ranks is None and not sharded),
-            added_groups=param_groups.added(self._objects, self._initial_groups),
+            added_groups=optimizer_extras.added_groups(self._objects, self._initial_groups),
         )
         if copy:
             self._saver.mirror(snapshot)
@@ -434,9 +435,9 @@ class Checkpointer:
 
     def _pending_gradients(self, *, one_process: bool) -> dict[str, dict[str, Any]]:
         """The gradients accumulated since the last optimizer step (see
-        :mod:`nbresume.checkpoint.state.gradients`); under torch.distributed each rank holds its
-        own, which one checkpoint cannot carry: said once."""
-        found = gradients.pending(self._objects, self._step_watch)
+        :mod:`nbresume.checkpoint.state.optimizer_extras`); under torch.distributed each rank
+        holds its own, which one checkpoint cannot carry: said once."""
+        found = optimizer_extras.pending_gradients(self._objects, self._step_watch)
         if found and not one_process:
             if not self._warned_gradients:
                 self._warned_gradients = True
@@ -550,7 +551,7 @@ class Checkpointer:
         try:
             return self._step_boundary(final=final)
         finally:
-            param_groups.release()
+            optimizer_extras.release_groups()
 
     def _step_boundary(self, *, final: bool) -> bool:
         self.events.emit(ev.STEP, self.step, total=self.total, epoch=self.epoch)
@@ -763,7 +764,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._step_watch.unhook()
-            param_groups.release()
+            optimizer_extras.release_groups()
             self._release_lease()
 
     def _release_lease(self) -> None:

@@ -2,8 +2,8 @@
 
 Above :mod:`~nbresume.checkpoint.store`: :mod:`.snapshot` (capture and host copies),
 :mod:`.restoring` (the restore's plan, checked before anything changes, then applied),
-:mod:`.generators` (the user's own random generators), :mod:`.gradients` (gradients pending
-between optimizer steps), :mod:`.param_groups` (parameter groups added during training),
+:mod:`.generators` (the user's own random generators), :mod:`.optimizer_extras` (what an
+optimizer's state_dict leaves out: pending gradients, parameter groups added in training),
 :mod:`.trainable` (trainable-only state), :mod:`.data` (the resumable loader and its exact data
 position), :mod:`.health` (out of memory, data wait) and :mod:`.determinism` (bit-exact
 continuation on a GPU).
@@ -17,8 +17,8 @@ from nbresume.checkpoint.state.data import ResumableLoader, sample_generator, sa
 from nbresume.checkpoint.state.determinism import apply as apply_determinism
 from nbresume.checkpoint.state.determinism import describe as describe_determinism
 from nbresume.checkpoint.state.generators import GeneratorState, is_generator
-from nbresume.checkpoint.state.gradients import StepWatch
 from nbresume.checkpoint.state.health import MIN_BATCHES, DataWaitShare, data_wait_of
+from nbresume.checkpoint.state.optimizer_extras import StepWatch
 from nbresume.checkpoint.state.restoring import DoesNotFit
 from nbresume.checkpoint.state.snapshot import (
     GRADIENTS_GROUP,

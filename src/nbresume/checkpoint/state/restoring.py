@@ -38,7 +38,7 @@ from nbresume.checkpoint.format import (
     signature,
     torch_name,
 )
-from nbresume.checkpoint.state import param_groups
+from nbresume.checkpoint.state import optimizer_extras
 from nbresume.checkpoint.state.data import ResumableLoader
 from nbresume.checkpoint.state.snapshot import STATE_FILE
 from nbresume.checkpoint.state.trainable import TrainableOnly
@@ -55,7 +55,7 @@ class RestorePlan:
         saved: SavedState,
         rng: Any,
         missing: list[str],
-        grown: list[param_groups.Grown] | None = None,
+        grown: list[optimizer_extras.Grown] | None = None,
         *,
         rank: int = 0,
         world_size: int = 1,
@@ -95,12 +95,12 @@ def plan(
         saved = decode_state(document, loaded.tensors, where=where)
     rng = rank_rng(saved, rank=rank)
     # Groups an optimizer gained in training go back in first, so that it can be compared.
-    grown = param_groups.grow(saved.added_groups, saved.objects, objects)
+    grown = optimizer_extras.grow_groups(saved.added_groups, saved.objects, objects)
     try:
         checked = _checked_plan(loaded, saved, rng, objects, where=where, grown=grown)
         _check_loaders(saved, objects, world_size=world_size)
     except BaseException:
-        param_groups.shrink(grown)
+        optimizer_extras.shrink_groups(grown)
         raise
     checked.rank, checked.world_size = rank, world_size
     return checked
@@ -117,11 +117,11 @@ def check_fits(heads: LoadedCheckpoint, objects: Mapping[str, Any]) -> None:
         raise CorruptCheckpointError(
             "state.json is missing or is not a Checkpointer's state", where=where
         )
-    grown = param_groups.grow(saved.added_groups, saved.objects, objects)
+    grown = optimizer_extras.grow_groups(saved.added_groups, saved.objects, objects)
     try:
         _checked_plan(heads, saved, None, objects, where=where, grown=grown)
     finally:
-        param_groups.shrink(grown)
+        optimizer_extras.shrink_groups(grown)
 
 
 def _check_loaders(saved: SavedState, objects: Mapping[str, Any], *, world_size: int) -> None:
@@ -154,7 +154,7 @@ def _checked_plan(
     objects: Mapping[str, Any],
     *,
     where: str,
-    grown: list[param_groups.Grown],
+    grown: list[optimizer_extras.Grown],
 ) -> RestorePlan:
     differences: list[str] = []
     files: list[str] = []  # the tensor files of the objects that differ
@@ -207,7 +207,7 @@ def apply(checked: RestorePlan, objects: Mapping[str, Any], pending: dict[str, A
         for _, obj, before in reversed(undo):
             with contextlib.suppress(Exception):
                 obj.load_state_dict(before)
-        param_groups.shrink(checked.grown)
+        optimizer_extras.shrink_groups(checked.grown)
         restore_rng(rng_before)
         raise
     for name, tree in saved.objects.items():

@@ -4,8 +4,8 @@ Above :mod:`~nbresume.checkpoint.format` and :mod:`~nbresume.checkpoint.backends
 :mod:`.pending` (a checkpoint being written, and its commit), :mod:`.hashing` (files written
 and read while they are hashed), :mod:`.reading` (verified reads, verification and the reading
 policy), :mod:`.info` (what the store reports), :mod:`.store` (:class:`CheckpointStore`:
-retention, the newest checkpoint that verifies), :mod:`.lease` and :mod:`.lease_holder` (the
-writer lease).
+retention, the newest checkpoint that verifies), :mod:`.lease` (the writer
+lease and its holder).
 
 This package is the layer's API: the names below are what the rest of the package imports.
 """
@@ -26,16 +26,14 @@ from nbresume.checkpoint.store.info import (
     VerifyResult,
 )
 from nbresume.checkpoint.store.lease import (
+    FUTURE_TOLERANCE_S,
     LEASE_NAME,
+    Holder,
     WriterLease,
     acquire_writer_lease,
+    format_utc,
     holding,
     live_holder,
-)
-from nbresume.checkpoint.store.lease_holder import (
-    FUTURE_TOLERANCE_S,
-    Holder,
-    format_utc,
     this_process,
 )
 from nbresume.checkpoint.store.pending import PendingCheckpoint, encode
