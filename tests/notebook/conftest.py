@@ -80,8 +80,22 @@ def jupyter_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, st
     return dict(os.environ)
 
 
+@pytest.fixture(scope="session")
+def _shell_history_closed_at_the_end() -> Iterator[None]:
+    """IPython's test shell writes its history at interpreter exit, into a database in the
+    test process's temporary folder (tests/conftest.py), which is removed before that: the
+    history is closed when the session ends instead."""
+    yield
+    from IPython.core.interactiveshell import InteractiveShell
+
+    if InteractiveShell.initialized():
+        InteractiveShell.instance()._atexit_once()  # what its exit would do, once
+
+
 @pytest.fixture
-def ipshell(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def ipshell(
+    monkeypatch: pytest.MonkeyPatch, _shell_history_closed_at_the_end: None
+) -> Iterator[Any]:
     """IPython's test shell with nbresume not loaded yet and no run: a fresh tracker, a fresh
     extension state, no watchers left from earlier tests."""
     pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
