@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
 import os
 import platform
 import statistics
@@ -274,3 +275,19 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     env.setdefault("PYTHONWARNINGS", "ignore")
     return env
+
+
+def flat_optimizer(optimizer: Any) -> tuple[dict[str, Any], str]:
+    """AdamW's state as flat tensors (``state.<i>.<key>``) and its param groups as JSON: what
+    safetensors can hold."""
+    saved = optimizer.state_dict()
+    tensors = {f"state.{i}.{k}": v for i, s in saved["state"].items() for k, v in s.items()}
+    return tensors, json.dumps(saved["param_groups"])
+
+
+def unflat_optimizer(tensors: dict[str, Any], groups: str) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        _, index, key = name.split(".", 2)
+        state.setdefault(int(index), {})[key] = value
+    return {"state": state, "param_groups": json.loads(groups)}

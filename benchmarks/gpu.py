@@ -46,7 +46,16 @@ from typing import Any
 
 if not __package__:  # run as a script: the repository's root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import ROOT, evict, file_system, fsync_path, load_average, machine
+from benchmarks._common import (
+    ROOT,
+    evict,
+    file_system,
+    flat_optimizer,
+    fsync_path,
+    load_average,
+    machine,
+    unflat_optimizer,
+)
 
 #: The whole suite's wall-clock budget (the call must end within 8 minutes);
 #: ``NBRESUME_GPU_BENCH_BUDGET_S`` sets a shorter one where the GPU is lent for less.
@@ -113,22 +122,6 @@ def state_bytes(model: Any, optimizer: Any) -> int:
     for state in optimizer.state.values():
         total += sum(v.nbytes for v in state.values() if hasattr(v, "nbytes"))
     return int(total)
-
-
-def flat_optimizer(optimizer: Any) -> tuple[dict[str, Any], str]:
-    """AdamW's state as flat tensors (``state.<i>.<key>``) and its param groups as JSON: what
-    safetensors can hold."""
-    saved = optimizer.state_dict()
-    tensors = {f"state.{i}.{k}": v for i, s in saved["state"].items() for k, v in s.items()}
-    return tensors, json.dumps(saved["param_groups"])
-
-
-def unflat_optimizer(tensors: dict[str, Any], groups: str) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for name, value in tensors.items():
-        _, index, key = name.split(".", 2)
-        state.setdefault(int(index), {})[key] = value
-    return {"state": state, "param_groups": json.loads(groups)}
 
 
 def durable(folder: Path) -> None:

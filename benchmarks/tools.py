@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from benchmarks._common import fsync_path
+from benchmarks._common import flat_optimizer, fsync_path, unflat_optimizer
 
 
 class Session(Protocol):
@@ -69,6 +69,7 @@ _IMPORTS = {
     "lightning": ["lightning.fabric.plugins.io.torch_io", "lightning.pytorch.plugins.io"],
     "accelerate": ["accelerate", "accelerate.utils"],
     "nbresume": ["nbresume"],
+    "safetensors": ["safetensors", "safetensors.torch"],
 }
 
 
@@ -98,6 +99,43 @@ class TorchSave:
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         return int(checkpoint["step"])
+
+    def close(self) -> None:
+        pass
+
+
+class Safetensors:
+    """The model and the optimizer's state in two safetensors files (the param groups and the
+    step in the metadata), loaded with ``load_file``: the files mapped copy-on-write, nothing
+    checked. A loader, not a checkpointer: only the resume suite runs it (:data:`LOADERS`)."""
+
+    def __init__(self, folder: Path, model: Any, optimizer: Any) -> None:
+        self.folder, self.model, self.optimizer = folder, model, optimizer
+
+    def save(self, step: int) -> None:
+        import safetensors.torch
+
+        tensors, groups = flat_optimizer(self.optimizer)
+        safetensors.torch.save_file(self.model.state_dict(), self.folder / "model.safetensors")
+        metadata = {"param_groups": groups, "step": str(step)}
+        safetensors.torch.save_file(tensors, self.folder / "optimizer.safetensors", metadata)
+
+    def wait(self) -> None:
+        pass
+
+    def restore(self) -> int | None:
+        import safetensors
+        import safetensors.torch
+
+        optimizer_file = self.folder / "optimizer.safetensors"
+        if not optimizer_file.exists():
+            return None
+        self.model.load_state_dict(safetensors.torch.load_file(self.folder / "model.safetensors"))
+        with safetensors.safe_open(optimizer_file, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = safetensors.torch.load_file(optimizer_file)
+        self.optimizer.load_state_dict(unflat_optimizer(tensors, metadata["param_groups"]))
+        return int(metadata["step"])
 
     def close(self) -> None:
         pass
@@ -278,6 +316,9 @@ TOOLS = [
          lambda f, m, o: Nbresume(f, m, o, background=True)),
 ]  # fmt: skip
 BY_NAME = {tool.name: tool for tool in TOOLS}
+#: Every tool the resume suite can restore with: the checkpointers, and the plain loader that
+#: maps its files instead of reading them (safetensors).
+LOADERS = {**BY_NAME, "safetensors": Tool("safetensors", "safetensors", False, False, Safetensors)}
 #: Tools whose restore is the same code as another's: the resume suite runs one of each.
 SAME_RESTORE = {
     "torch.save + fsync": "torch.save",

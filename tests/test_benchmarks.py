@@ -96,6 +96,25 @@ def test_every_page_of_a_run_starts_with_the_same_header(
     assert set(results["trainable"]["sizes"]) == {"full", "trainable-only"}
 
 
+def test_the_resume_suite_also_times_until_training_runs_at_full_speed_against_safetensors(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    """Besides the checkpointers, the resume suite restores with safetensors (whose mapped
+    pages are paid for in the first step after the restore), and reports for each tool the
+    restore plus what that first step takes beyond the second."""
+    results, out = tiny
+    resumed = results["resume"]["tools"]
+    assert list(resumed) == [*(tool.name for tool in TOOLS), "safetensors"]
+    for name, item in resumed.items():
+        assert "error" not in item, (name, item)
+        assert len(item["resumed_all"]) == len(item["restore_all"]) >= 1, name
+        assert item["resumed_s"] > 0, name
+    assert resumed["safetensors"]["bit_exact"] is False  # no RNG state: dropout draws anew
+    assert resumed["nbresume"]["bit_exact"] is True
+    assert "| safetensors |" in (out / "side-by-side.md").read_text()
+    assert "safetensors" not in {row["tool"] for row in results["summary"]}  # a loader only
+
+
 def test_the_loop_overhead_comes_with_its_interval(tiny: tuple[dict[str, Any], Path]) -> None:
     results, _ = tiny
     for name, item in results["loop"]["tools"].items():
