@@ -188,6 +188,12 @@ class DriveServer(ThreadingHTTPServer):
         self.cloud = Cloud(cloud_root)
         self.requests: list[tuple[str, str]] = []  # (method, path) of every Drive call
         self._thread: threading.Thread | None = None
+        # Requests being answered, and whether the server is going away: stop() lets the
+        # first finish before it closes the cloud, and later ones are told the service is
+        # unavailable (as Drive would), rather than reaching a closed database.
+        self._busy = 0
+        self._stopping = False
+        self._idle = threading.Condition()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client killed mid-request (a VM that went away) is no error of the server's.
@@ -207,7 +213,23 @@ class DriveServer(ThreadingHTTPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+        with self._idle:
+            self._stopping = True
+            self._idle.wait_for(lambda: self._busy == 0, timeout=10.0)
         self.cloud.close()
+
+    def answering(self) -> bool:
+        """Whether a request may be answered now (then :meth:`answered` must follow)."""
+        with self._idle:
+            if self._stopping:
+                return False
+            self._busy += 1
+            return True
+
+    def answered(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            self._idle.notify_all()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -232,6 +254,9 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         if length:
             self.rfile.read(length)
+        if not self.server.answering():
+            self._send(503, DriveApiError(503, "backendError", "Service unavailable").document())
+            return
         try:
             if not url.path.startswith(SERVICE):
                 raise DriveApiError(404, "notFound", f"Not Found: {url.path}")
@@ -241,6 +266,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(code, document)
         except DriveApiError as exc:
             self._send(exc.code, exc.document())
+        finally:
+            self.server.answered()
 
     def do_GET(self) -> None:
         self._dispatch("GET")
