@@ -5,6 +5,7 @@ the results the runner writes, not in assertions."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,7 +109,10 @@ def test_the_resume_suite_also_times_until_training_runs_at_full_speed_against_s
     for name, item in resumed.items():
         assert "error" not in item, (name, item)
         assert len(item["resumed_all"]) == len(item["restore_all"]) >= 1, name
-        assert item["resumed_s"] > 0, name
+        # The restore, plus the first step's excess over the second: at this size the steps
+        # take about a millisecond and either may be the slower one.
+        assert math.isfinite(item["resumed_s"]), name
+        assert item["resumed_s"] > item["restore_s"] - 0.5, name
     assert resumed["safetensors"]["bit_exact"] is False  # no RNG state: dropout draws anew
     assert resumed["nbresume"]["bit_exact"] is True
     assert "| safetensors |" in (out / "side-by-side.md").read_text()
