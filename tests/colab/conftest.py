@@ -57,6 +57,9 @@ class Colab:
             NBRESUME_DRIVE_API_URL=self.server.url,
             NBRESUME_DRIVE_MOUNT=str(self.tmp / vm / "drive"),
             NBRESUME_DRIVE_POLL_S="0.1",
+            # A fresh VM's session begins now; this machine's own (the age of its process 1)
+            # may be past Colab's 12 h, and the run would stop before training.
+            NBRESUME_SESSION_START=str(time.time()),
             OMP_NUM_THREADS="1",
             OPENBLAS_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",

@@ -8,6 +8,7 @@ when the VM is killed.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,9 @@ def vm_env(tmp_path: Path, cloud: tuple[Any, DriveServer]) -> Callable[..., dict
             NBRESUME_DRIVE_API_URL=server.url,
             NBRESUME_DRIVE_MOUNT=str(mount),
             NBRESUME_DRIVE_POLL_S="0.1",
+            # A fresh VM's session begins now; this machine's own (the age of its process 1)
+            # may be past Colab's 12 h, and the run would stop before training.
+            NBRESUME_SESSION_START=str(time.time()),
             OMP_NUM_THREADS="1",
         )
         env.update(extra)
