@@ -498,6 +498,12 @@ def gpu_name() -> str:
             f"torch {torch.__version__}")  # fmt: skip
 
 
+def with_settings(command: str) -> str:
+    """The command as run: the ``NBRESUME_GPU_BENCH_*`` settings it ran under go first."""
+    given = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("NBRESUME_GPU_BENCH_"))
+    return " ".join([*given, command])
+
+
 def run(scratch: Path, command: str, log: Callable[[str], None]) -> dict[str, Any]:
     """Every part within :data:`BUDGET_S`; the raw numbers."""
     started = time.monotonic()
@@ -505,7 +511,7 @@ def run(scratch: Path, command: str, log: Callable[[str], None]) -> dict[str, An
     def left() -> float:
         return BUDGET_S - (time.monotonic() - started)
 
-    meta = {"command": command, "machine": machine(), "gpu": gpu_name(),
+    meta = {"command": with_settings(command), "machine": machine(), "gpu": gpu_name(),
             "file_system": file_system(scratch), "load_before": load_average(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}  # fmt: skip
     results: dict[str, Any] = {"meta": meta, "settings": SETTINGS, "parts": {}}
@@ -627,7 +633,8 @@ def render(results: dict[str, Any]) -> list[str]:
             value = seconds.get(tool)
             cell = restore["errors"].get(tool, "")[:120] if value is None else ""
             mark = " †" if value is not None and not restore["seconds"].get(tool) else ""
-            lines.append(f"| {tool} | {_s(value) + mark if value else cell or '—'} | "
+            cell = cell or "not run: the time budget was spent"
+            lines.append(f"| {tool} | {_s(value) + mark if value else cell} | "
                          f"{_x(value, limit)} | {_x(value, fastest)} |")  # fmt: skip
         runs = {len(v) for v in restore.get("seconds", {}).values() if v}
         lines.append("")

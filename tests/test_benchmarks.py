@@ -175,3 +175,20 @@ def test_the_gpu_suite_without_a_gpu_is_a_dry_run(tmp_path: Path) -> None:
     assert "no CUDA GPU found" in proc.stdout
     assert "nothing measured" in proc.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_gpu_suites_run_line_names_the_settings_it_ran_under(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shortened GPU run (fewer repetitions, a smaller budget) says so in its first line, so
+    that its figures are never read as those of the full run."""
+    from benchmarks import gpu
+
+    monkeypatch.setenv("NBRESUME_GPU_BENCH_REPS", "2")
+    monkeypatch.setenv("NBRESUME_GPU_BENCH_BUDGET_S", "220")
+    assert gpu.with_settings("python -m benchmarks --gpu") == (
+        "NBRESUME_GPU_BENCH_BUDGET_S=220 NBRESUME_GPU_BENCH_REPS=2 python -m benchmarks --gpu"
+    )
+    monkeypatch.delenv("NBRESUME_GPU_BENCH_REPS")
+    monkeypatch.delenv("NBRESUME_GPU_BENCH_BUDGET_S")
+    assert gpu.with_settings("python -m benchmarks --gpu") == "python -m benchmarks --gpu"
