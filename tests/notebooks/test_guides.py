@@ -59,6 +59,8 @@ def test_the_getting_started_script_resumes_after_a_kill(
     env = {
         "PATH": "/usr/bin:/bin",
         "HOME": str(tmp_path),
+        # its own temporary folder: torch makes torchinductor_<user> in it on import
+        "TMPDIR": str(tmp_path),
         "NBRESUME_HOME": str(tmp_path / "home"),
         "NBRESUME_PROBE_HOST": "127.0.0.1",
         "NBRESUME_PROBE_PORT": "9",
