@@ -463,6 +463,29 @@ def test_a_failed_background_save_is_raised_at_the_next_step_boundary(tmp_path: 
     assert seen[-1] == 6
 
 
+def test_a_background_failure_is_known_while_its_thread_is_still_ending() -> None:
+    """The failure is kept as the save thread's last act; a thread can outlive that by a
+    while under load (gone from ``threading.enumerate()``, still alive), and a step boundary
+    in that window must already raise, not one boundary later."""
+    from nbresume.checkpoint.loop.saver import BackgroundSave
+
+    background = BackgroundSave()
+    background.start(lambda: 1 / 0)
+    background.wait()
+    release = threading.Event()
+    ending = threading.Thread(target=release.wait)  # the save's thread, not quite gone
+    ending.start()
+    background._thread = ending
+    try:
+        assert background.busy
+        assert background.failed
+        assert isinstance(background.take_error(), ZeroDivisionError)
+        assert not background.failed
+    finally:
+        release.set()
+        ending.join()
+
+
 def test_a_stop_after_a_failed_background_save_still_saves(tmp_path: Path) -> None:
     seen: list[int] = []
     ckpt = _fail_saves_after_step_3(tmp_path, seen, fix_and_stop=True)

@@ -258,8 +258,11 @@ class BackgroundSave:
 
     @property
     def failed(self) -> bool:
-        """Whether the last save finished with an error that nobody has taken yet."""
-        return self._error is not None and not self.busy
+        """Whether the last save finished with an error that nobody has taken yet. The error
+        is kept as the thread's last act, so it is known before the thread is seen to end
+        (under load, a thread can be gone from ``threading.enumerate()`` and still be alive
+        for a while)."""
+        return self._error is not None
 
     def take_error(self) -> BaseException | None:
         error, self._error = self._error, None
