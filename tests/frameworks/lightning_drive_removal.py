@@ -1,11 +1,13 @@
 """A Colab VM whose ``ModelCheckpoint(save_top_k=1)`` replaces a checkpoint on Google Drive.
 
-    python lightning_drive_removal.py kill|finish
+    python lightning_drive_removal.py kill|finish|leftover
 
 Saves ``epoch=0.ckpt`` and waits until Drive has it; from then on the mount uploads nothing
 on its own (the upload lags), as on a slow Drive. Saves ``epoch=1.ckpt`` and removes
 ``epoch=0.ckpt``, the plugin's calls in ModelCheckpoint's order. ``kill``: the VM dies at once
 (SIGKILL). ``finish``: uploads resume and the end of training's wait for the removals runs.
+``leftover``: as ``finish``, with what a save killed mid-write leaves in ``epoch=0.ckpt`` (a
+temporary step folder, uploaded) before the replacement.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 import nbresume.lightning
 from nbresume import CheckpointStore, knobs
+from nbresume.checkpoint.format import TEMP_PREFIX
 from nbresume.checkpoint.loop import confirm
 from nbresume.platforms.drive import mount_drive
 
@@ -33,6 +36,12 @@ def main(mode: str) -> None:
     io = nbresume.lightning.CheckpointIO()
     io.save_checkpoint(checkpoint(4), ckpts / "epoch=0.ckpt")
     confirm(CheckpointStore(ckpts / "epoch=0.ckpt"), timeout=60)
+    if mode == "leftover":
+        killed = ckpts / "epoch=0.ckpt" / (TEMP_PREFIX + "000000000005-killed")
+        killed.mkdir()
+        (killed / "model.tensors").write_bytes(b"\x01" * 20_000)
+        for mount in MOUNTS.values():
+            mount.flush(30)  # Drive has the half-written save's files too
     for mount in MOUNTS.values():
         mount.lag = 3600.0
     io.save_checkpoint(checkpoint(8), ckpts / "epoch=1.ckpt")

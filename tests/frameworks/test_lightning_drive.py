@@ -131,3 +131,16 @@ def test_the_removal_happens_once_drive_confirmed_the_replacement(
     held = on_cloud(god)
     assert held == {"epoch=1.ckpt": {8: True}}, held
     assert god.usage()[1] == 0  # removed through Drive's API: nothing in the trash
+
+
+def test_what_a_killed_save_left_is_removed_through_drives_api_too(
+    cloud: tuple[Cloud, DriveServer], vm_env: Callable[..., dict[str, str]], tmp_path: Path
+) -> None:
+    """A .ckpt that save_top_k removes may hold a temporary folder of a save killed
+    mid-write (a VM that died): it goes with the checkpoint, past the trash."""
+    god = cloud[0]
+    done = replace_on_drive(vm_env, tmp_path, "leftover")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kept [] local ['epoch=1.ckpt']" in done.stdout
+    assert on_cloud(god) == {"epoch=1.ckpt": {8: True}}
+    assert god.usage()[1] == 0  # nothing in Drive's trash

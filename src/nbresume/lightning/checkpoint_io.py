@@ -279,7 +279,10 @@ class CheckpointIO(_LightningCheckpointIO):
         try:
             store = CheckpointStore(target, keep=None)
             if type(store.backend) is not LocalStore:
-                # Google Drive's mount: its delete() also frees the quota (no trash).
+                # Google Drive's mount: its delete() also frees the quota (no trash). What a
+                # killed save left in the folder goes the same way (recover), not through the
+                # mount into Drive's trash.
+                store.backend.recover("")
                 for _, name in store.checkpoint_folders():
                     store.backend.delete(name)
             gone = final.parent / f"{GONE_MARK}{final.name}-{uuid.uuid4().hex[:8]}"
