@@ -1,7 +1,8 @@
 """Run what a user runs on a checkpoint folder in a process of bounded memory; report.
 
-``python hostile_child.py LIMIT OP ARG [OP ARG ...]``: the address space is limited to LIMIT
-bytes (``RLIMIT_AS``) before anything is imported, then each operation runs in turn:
+``python hostile_child.py BUDGET OP ARG [OP ARG ...]``: once torch and nbresume are imported,
+the address space is limited to what they took plus BUDGET bytes (``RLIMIT_AS``), then each
+operation runs in turn:
 
 - ``verify DIR``: ``nbresume verify DIR``;
 - ``hf DIR``: ``nbresume.hf.last_checkpoint(DIR)``;
@@ -11,7 +12,8 @@ bytes (``RLIMIT_AS``) before anything is imported, then each operation runs in t
 - ``pull SRC:DST``: ``nbresume pull SRC DST``.
 
 Prints one JSON line: for each operation its exit status or result, what it printed and the
-warnings it gave; then the peak resident memory. Anything raised escapes (a traceback, and a
+warnings it gave; then the peak resident memory, and the resident memory right after the
+imports. Anything raised escapes (a traceback, and a
 status that is not 0): the test makes the assertions, the parent kills a run that hangs.
 """
 
@@ -94,13 +96,30 @@ def run(op: str, arg: str) -> dict[str, Any]:
     }
 
 
+def status(field: str) -> int:
+    """A size from ``/proc/self/status`` (``VmSize``: address space; ``VmRSS``: resident), in
+    bytes."""
+    with open("/proc/self/status") as lines:
+        for line in lines:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def main() -> None:
-    limit = int(sys.argv[1])
+    # torch's own share comes first: a CUDA build maps gigabytes of libraries (3.2 GB against
+    # 0.6 GB for a CPU build), which says nothing of what a folder makes a reader allocate.
+    import torch  # noqa: F401
+
+    import nbresume.cli  # noqa: F401
+
+    imports = status("VmRSS")
+    limit = status("VmSize") + int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     args = sys.argv[2:]
     reports = [run(op, arg) for op, arg in zip(args[::2], args[1::2], strict=True)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"reports": reports, "peak": peak}))
+    print(json.dumps({"reports": reports, "peak": peak, "imports": imports}))
 
 
 if __name__ == "__main__":

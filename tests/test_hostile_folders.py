@@ -30,23 +30,25 @@ from nbresume.hf.folders import FILES_NAME, commit_folder, hash_file, open_store
 from nbresume.pull import SAFE_LINE
 
 CHILD = Path(__file__).with_name("hostile_child.py")
-#: The child's address space: torch and nbresume take about 0.7 GB of it; what a hostile
-#: folder could make a reader allocate (gigabytes) does not fit.
-LIMIT = 3 << 30
+#: The child's address space beyond what torch and nbresume take once imported (0.6 GB with
+#: a CPU build of torch, 3.2 GB with a CUDA one): what a hostile folder could make a reader
+#: allocate (gigabytes) does not fit.
+BUDGET = 2400 << 20
 #: Seconds a child may take for all its readers (each takes well under one).
 TIMEOUT = 60
 
 
 def run_child(*ops: tuple[str, str | Path]) -> dict[str, Any]:
     """Run ``ops`` (operation, argument) in a child of bounded memory and time; its report:
-    ``reports`` (one per operation) and ``peak`` (the most resident memory it used)."""
+    ``reports`` (one per operation), ``peak`` (the most resident memory it used) and
+    ``imports`` (what it used once torch and nbresume were imported)."""
     argv = [str(part) for op in ops for part in op]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(CHILD.parent.parent / "src"), env.get("PYTHONPATH", "")]
     )
     done = subprocess.run(
-        [sys.executable, str(CHILD), str(LIMIT), *argv],
+        [sys.executable, str(CHILD), str(BUDGET), *argv],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -61,10 +63,11 @@ def run_child(*ops: tuple[str, str | Path]) -> dict[str, Any]:
 
 def bounded(*ops: tuple[str, str | Path], peak_below: int | None = None) -> list[dict[str, Any]]:
     """The reports of ``ops`` run in a bounded child (:func:`run_child`); ``peak_below``: the
-    most resident memory the child may have used at its peak."""
+    most resident memory the child may have used at its peak beyond what its imports took
+    (about 0.2 GB with a CPU build of torch, 0.6 GB with a CUDA one)."""
     report = run_child(*ops)
     if peak_below is not None:
-        assert report["peak"] < peak_below, report["peak"]
+        assert report["peak"] - report["imports"] < peak_below, report
     reports: list[dict[str, Any]] = report["reports"]
     return reports
 
@@ -460,7 +463,8 @@ def test_pull_copies_a_run_log_of_gigabytes_in_bounded_memory(run: Path, tmp_pat
     # The same pull without the log first: what the child itself takes (torch, nbresume, the
     # checkpoints) varies with the machine. Read whole, the log would add its gigabyte; read
     # in pieces, a few megabytes (the margin allows for the allocator's noise).
-    without_log: int = run_child(("pull", f"{run}:{tmp_path / 'baseline'}"))["peak"]
+    baseline = run_child(("pull", f"{run}:{tmp_path / 'baseline'}"))
+    without_log: int = baseline["peak"] - baseline["imports"]
     log = run / "nbresume-run.log"
     with open(log, "wb") as handle:  # sparse: costs no disk to make
         handle.truncate(1 << 30)
@@ -508,7 +512,7 @@ def test_a_checkpoint_cannot_make_a_reader_allocate_gigabytes(
 ) -> None:
     victim = MEMORY_DAMAGES[damage](run / "000000000020")
     reseal(run / "000000000020")
-    verify, restored = bounded(("verify", run), ("restore", run), peak_below=1 << 30)
+    verify, restored = bounded(("verify", run), ("restore", run), peak_below=800 << 20)
     lines = failed_lines(verify)
     assert len(lines) == 1, verify["out"]
     assert f"000000000020/{victim}" in lines[0], verify["out"]
@@ -549,7 +553,7 @@ def test_a_tensor_file_of_gigabytes_that_does_not_fit_is_passed_over_before_it_i
     state["objects"]["model"]["0.weight"]["shape"] = [16, columns]
     (folder / "state.json").write_text(json.dumps(state))
     reseal(folder)
-    verify, restored = bounded(("verify", run), ("restore", run), peak_below=1 << 30)
+    verify, restored = bounded(("verify", run), ("restore", run), peak_below=800 << 20)
     assert verify["result"] == 0, verify["out"]
     assert restored["result"] == 10
     skipped = [w for w in restored["warnings"] if "skipped" in w]
