@@ -461,20 +461,28 @@ CONCRETE_BACKENDS = ("LocalStore", "FsspecStore", "DriveStore")
 
 def test_only_the_backends_ask_which_backend_a_store_is() -> None:
     """The core asks the backend protocol (``local_path()``, ``confirm()``,
-    ``make_durable()``), never ``isinstance`` on a concrete backend."""
+    ``make_durable()``, ``write_back``), never which concrete backend a store has: no
+    ``isinstance`` on one, no ``type(...) is`` one, outside ``backends/``."""
     found = []
     for name, path, tree in modules():
         if not name.startswith("nbresume.checkpoint") or ".backends" in name:
             continue
         for node in ast.walk(tree):
-            if (
+            asks = (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
                 and node.func.id == "isinstance"
+                and len(node.args) == 2
                 and any(backend in ast.unparse(node.args[1]) for backend in CONCRETE_BACKENDS)
-            ):
+            ) or (
+                isinstance(node, ast.Compare)
+                and any(isinstance(op, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq)) for op in node.ops)
+                and "type(" in ast.unparse(node)
+                and any(backend in ast.unparse(node) for backend in CONCRETE_BACKENDS)
+            )
+            if asks:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
-    assert not found, "isinstance on a concrete backend in the core:\n" + "\n".join(found)
+    assert not found, "a concrete backend asked for in the core:\n" + "\n".join(found)
 
 
 def documented_save_path() -> tuple[list[str], int]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
 
-from nbresume.checkpoint.backends import LocalStore, fsync_folder
+from nbresume.checkpoint.backends import fsync_folder
 from nbresume.checkpoint.format import LIGHTNING_DOCUMENT as DOCUMENT
 from nbresume.checkpoint.format import LIGHTNING_FORMAT as FORMAT
 from nbresume.checkpoint.format import LIGHTNING_FORMAT_VERSION as FORMAT_VERSION
@@ -278,7 +278,7 @@ class CheckpointIO(_LightningCheckpointIO):
             return
         try:
             store = CheckpointStore(target, keep=None)
-            if type(store.backend) is not LocalStore:
+            if store.backend.write_back:
                 # Google Drive's mount: its delete() also frees the quota (no trash). What a
                 # killed save left in the folder goes the same way (recover), not through the
                 # mount into Drive's trash.
