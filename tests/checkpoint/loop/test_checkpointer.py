@@ -477,7 +477,7 @@ def test_a_background_failure_is_known_while_its_thread_is_still_ending() -> Non
     ending.start()
     background._thread = ending
     try:
-        assert background.busy
+        assert ending.is_alive()
         assert background.failed
         assert isinstance(background.take_error(), ZeroDivisionError)
         assert not background.failed

@@ -234,10 +234,6 @@ class BackgroundSave:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def start(self, work: Callable[[], object]) -> None:
         self.wait()
 
