@@ -633,7 +633,8 @@ def render(results: dict[str, Any]) -> list[str]:
             value = seconds.get(tool)
             cell = restore["errors"].get(tool, "")[:120] if value is None else ""
             mark = " †" if value is not None and not restore["seconds"].get(tool) else ""
-            cell = cell or "not run: the time budget was spent"
+            cell = cell or ("not run: no save to restore" if "error" in saves
+                            else "not run: the time budget was spent")  # fmt: skip
             lines.append(f"| {tool} | {_s(value) + mark if value else cell} | "
                          f"{_x(value, limit)} | {_x(value, fastest)} |")  # fmt: skip
         runs = {len(v) for v in restore.get("seconds", {}).values() if v}
