@@ -1,5 +1,5 @@
-"""The project as a whole: a light import, a README whose commands are what CI runs, and
-(marked `lint`) the code-quality checks that keep the codebase clean."""
+"""The project as a whole: a light import, and a README whose commands are what CI runs (the
+code-quality checks, ruff, mypy and import-linter, run before the tests: scripts/lint)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -65,27 +63,13 @@ def test_ci_script_is_an_executable_bash_script() -> None:
     assert first in ("#!/usr/bin/env bash", "#!/bin/bash")
 
 
-def tool(name: str) -> str:
-    path = BIN / name
-    if not path.exists():
-        pytest.skip(f"{name} is not installed next to {sys.executable} (pip install -e '.[test]')")
-    return str(path)
-
-
-@pytest.mark.lint
-@pytest.mark.parametrize(
-    "args",
-    [["check", "src", "tests"], ["format", "--check", "src", "tests"]],
-    ids=["ruff check", "ruff format"],
-)
-def test_ruff_is_clean(args: list[str]) -> None:
-    proc = subprocess.run(
-        [tool("ruff"), *args], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-@pytest.mark.lint
-def test_mypy_is_clean() -> None:
-    proc = subprocess.run([tool("mypy")], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_the_test_command_runs_the_code_quality_checks_before_the_tests() -> None:
+    """ruff, mypy and import-linter are a step of their own, before pytest: a lint failure
+    stops the command before the suite's minutes are spent."""
+    command = ci_command()
+    assert "./scripts/lint" in command
+    assert command.index("./scripts/lint") < command.index("pytest")
+    lint = (ROOT / "scripts" / "lint").read_text()
+    for tool in ('"$bin/ruff" check', '"$bin/ruff" format --check', "lint-imports", "mypy"):
+        assert tool in lint, f"scripts/lint does not run {tool}"
+    assert os.access(ROOT / "scripts" / "lint", os.X_OK)
