@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+# The suite's tiers: the ``proc`` mark, given at collection, and the watch that keeps the
+# in-process tier in-process (tests/tiers.py).
+pytest_plugins = ["tiers"]
+
 if TYPE_CHECKING:
     from colab_standin.cloud import Cloud
     from colab_standin.server import DriveServer

@@ -90,6 +90,7 @@ def resumed(workers: int, stops: list[int], count: int) -> list[Any]:
     return taken
 
 
+@pytest.mark.proc  # DataLoader workers are processes
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_stream_resumed_twice_hands_out_the_batches_of_the_uninterrupted_one(
     workers: int, caplog: pytest.LogCaptureFixture
@@ -111,6 +112,7 @@ def test_a_stream_resumed_twice_hands_out_the_batches_of_the_uninterrupted_one(
         assert f"resumes at batch {stops[1] % PER_EPOCH or PER_EPOCH}:" in skips[1]
 
 
+@pytest.mark.proc  # DataLoader workers are processes
 @needs_fork
 def test_one_worker_gives_the_stream_of_the_main_process() -> None:
     """The augmentation of the main process is that of worker 0: a stream's randomness
@@ -232,6 +234,7 @@ def assert_same(final: Tensors, expected: Tensors, why: str) -> None:
         assert torch.equal(final[key], value), f"{why}: {key} differs"
 
 
+@pytest.mark.proc  # DataLoader workers are processes
 @needs_fork
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_a_run_stopped_twice_mid_epoch_resumes_bit_identically(

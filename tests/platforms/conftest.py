@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from nbresume.platforms.base import DETECTION_VARIABLES
+from tiers import starts_processes
 
 #: What makes a platform recognise itself (the one list the detectors are checked
 #: against), plus the terminal's colour switch.
@@ -127,6 +128,7 @@ def write_executable(path: Path, text: str) -> Path:
 
 
 @pytest.fixture
+@starts_processes  # nbresume runs the nvidia-smi it installs
 def fake_nvidia_smi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[..., Path]:
     """Install an ``nvidia-smi`` first on PATH that prints the given CSV lines (or sleeps),
     as the real one answers ``--query-gpu=name,driver_version,compute_cap``."""

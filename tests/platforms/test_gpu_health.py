@@ -25,6 +25,7 @@ from nbresume.platforms.nvidia_smi import (
     parse_xid,
     parse_xml,
 )
+from tiers import starts_processes
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 T4 = (DATA / "tesla-t4.xml").read_text()
@@ -245,6 +246,7 @@ def test_a_program_xid_is_a_warning_not_a_dead_card() -> None:
 
 
 @pytest.fixture
+@starts_processes  # nbresume runs the nvidia-smi and dmesg it installs
 def gpu_box(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
     """A machine whose ``nvidia-smi`` prints a recorded report and whose ``dmesg`` prints a
     recorded log (or is refused, as in a container)."""
@@ -300,6 +302,7 @@ def test_doctor_in_a_container_says_the_kernel_log_was_not_read(
     assert "Operation not permitted" in out
 
 
+@pytest.mark.proc  # nbresume runs the nvidia-smi and dmesg it installs
 def test_a_gpu_query_not_needed_leaves_nothing_running(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

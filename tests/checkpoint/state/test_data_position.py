@@ -114,6 +114,7 @@ def resumed(build: Build, count: int, at: int) -> list[Any]:
     return head + take(second, count - at)
 
 
+@pytest.mark.proc  # DataLoader workers are processes
 @pytest.mark.parametrize("kind", list(BUILDS))
 def test_resumed_iteration_equals_uninterrupted(kind: str) -> None:
     build = BUILDS[kind]
@@ -168,6 +169,7 @@ def test_skipped_batches_are_never_loaded() -> None:
     assert dataset.fetched == rest[0], "only the samples of the batch handed out are loaded"
 
 
+@pytest.mark.proc  # DataLoader workers are processes
 def test_augmentation_is_the_same_with_and_without_workers() -> None:
     in_process = uninterrupted(BUILDS["shuffle"], 10)
     with_workers = uninterrupted(BUILDS["shuffle-2-workers"], 10)
@@ -193,6 +195,7 @@ def assert_same_rng_states(before: tuple[Any, ...], after: tuple[Any, ...]) -> N
     assert before[2][2:] == after[2][2:]
 
 
+@pytest.mark.proc  # DataLoader workers are processes
 @pytest.mark.parametrize("kind", ["shuffle", "shuffle-2-workers", "batch-sampler"])
 def test_loading_data_does_not_move_the_training_rngs(kind: str) -> None:
     seed_all(5)
@@ -203,6 +206,7 @@ def test_loading_data_does_not_move_the_training_rngs(kind: str) -> None:
     assert_same_rng_states(before, rng_states())
 
 
+@pytest.mark.proc  # DataLoader workers are processes
 @pytest.mark.slow
 def test_a_spawned_worker_gets_the_same_samples() -> None:
     # Workers started with "spawn" (the default on macOS) receive the dataset pickled.
