@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbresume import knobs as _knobs
 from nbresume.checkpoint import events as _events
 from nbresume.checkpoint import hooks as _hooks
 from nbresume.checkpoint.events import Event
@@ -57,6 +58,21 @@ _hooks.provide_session_deadline(_session_deadline)
 _hooks.provide_after_stop_save(_slurm_after_stop_save)  # in a Slurm job: ask for a requeue
 _hooks.provide_usable_cpus(lambda: _read_cpu().usable)
 _hooks.provide_available_memory(_available_memory)  # a save's host copy must fit in it
+
+
+def _steering() -> _hooks.Steering:
+    # `nbresume smoke` and `nbresume check` steer the script they run through its environment.
+    return _hooks.Steering(
+        smoke_steps=_knobs.smoke_steps(),
+        smoke_reason=f"smoke run: stopped after the steps {_knobs.SMOKE_STEPS.name} allows",
+        stop_at_step=_knobs.stop_at_step(),
+        stop_at_reason=f"the budget of `nbresume check` ({_knobs.STOP_AT_STEP.name})",
+        save_every=_knobs.save_every(),
+        folder=_knobs.check_dir,
+    )
+
+
+_hooks.provide_steering(_steering)
 # A Checkpointer that nothing shows (a plain script without init) shows a status line on stderr.
 
 

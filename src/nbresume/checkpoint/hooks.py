@@ -12,16 +12,43 @@ The protocol: nothing under ``checkpoint/`` imports a platform module. The layer
   input-bound advice asks for through :func:`usable_cpus`; no provider: unknown;
 - how much memory this process may still allocate (:func:`provide_available_memory`), which
   a save asks for through :func:`available_memory` before it copies the state into host
-  memory; no provider: unknown.
+  memory; no provider: unknown;
+- how nbresume's own tools steer the loops of a script they run (:func:`provide_steering`:
+  ``nbresume smoke`` stops every loop a few steps in, ``nbresume check`` saves every N steps,
+  stops at step N and keeps the checkpoints in folders of its own), which the loop control
+  asks for through :func:`steering`; no provider: no steering.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def _own_folder(original: object) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Steering:
+    """How a tool of nbresume's that runs the user's script steers its training loops."""
+
+    #: Every loop stops this many steps after it starts (``nbresume smoke``), and why.
+    smoke_steps: int | None = None
+    smoke_reason: str = "smoke run"
+    #: Every loop stops at this step (``nbresume check``: the same step in every run), and why.
+    stop_at_step: int | None = None
+    stop_at_reason: str = "stopped at a step set by nbresume"
+    #: Every Checkpointer saves every this many steps, whatever its ``every=``.
+    save_every: int | None = None
+    #: Where a Checkpointer's folder goes instead (``None``: where the script says).
+    folder: Callable[[object], str | None] = field(default=_own_folder)
+
 
 _session_deadline: Callable[[], tuple[float | None, str]] | None = None
 _usable_cpus: Callable[[], int | None] | None = None
 _available_memory: Callable[[], tuple[int | None, str]] | None = None
+_steering: Callable[[], Steering] | None = None
 
 #: ``after_stop_save(signum, step)``: called by the process that leads the job once the
 #: checkpoint of ``step`` is saved on the stop signal ``signum``, just before the process
@@ -77,3 +104,15 @@ def available_memory() -> tuple[int | None, str]:
         return _available_memory() if _available_memory is not None else (None, "")
     except Exception:
         return None, ""
+
+
+def provide_steering(provider: Callable[[], Steering] | None) -> None:
+    """Register ``provider() -> Steering``: how nbresume's own tools steer this process's loops."""
+    global _steering  # noqa: PLW0603 -- this module is the registry
+    _steering = provider
+
+
+def steering() -> Steering:
+    """How this process's loops are steered (no steering when no provider is registered). A
+    provider that refuses its settings raises: a tool's wrong setting is an error."""
+    return _steering() if _steering is not None else Steering()

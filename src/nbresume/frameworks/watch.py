@@ -34,26 +34,18 @@ Only rank 0 announces itself to the panel and the status line.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from collections.abc import Callable
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from nbresume.checkpoint import events as ev
-from nbresume.checkpoint import hooks
 from nbresume.checkpoint.loop import (
+    BoundaryFlags,
     Cadence,
     DurabilityWatcher,
+    LoopControl,
     SaveFunction,
-    deadline_margin,
-    deadline_reason,
-    install_stop_handler,
     report_save,
-    resolve_deadline,
-    restore_signal_handlers,
-    signal_reason,
 )
 from nbresume.checkpoint.parallel import Group, current_group
 from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, PendingCheckpoint
@@ -90,17 +82,9 @@ class Watch:
         announce: bool = True,
     ) -> None:
         self.store = store
-        self.events = ev.EventBus(callbacks)
-        #: Saves happen when the framework decides; the cadence only learns their cost.
-        self.cadence = Cadence(None)
-        self.durability = (
-            DurabilityWatcher(store, self.events) if store.backend.write_back else None
-        )
-        self.deadline, self.deadline_source = resolve_deadline(deadline)
-        self._explicit_deadline = deadline not in (None, "auto")
-        #: Called after a stop-save on a signal, before the exit (a Slurm job asks to be
-        #: requeued): ``after_stop(signum, step)``.
-        self.after_stop = hooks.after_stop_save
+        #: When the loop saves and stops. Saves happen when the framework decides: the
+        #: cadence only learns their cost.
+        self.control = LoopControl(store, every=None, deadline=deadline, callbacks=callbacks)
         #: Saves the framework's state now and returns the verified checkpoint: what the
         #: panel's "Save now" and ``%nbresume save`` call between cells. Set by the framework.
         self.save_now: Callable[[], CheckpointInfo | None] | None = None
@@ -109,10 +93,6 @@ class Watch:
         self.epoch: int | None = None
         self.running = False
         self.restored_step: int | None = None
-        self.signum: int | None = None  # the stop signal received in the running loop
-        self._save_requested = False
-        self._stop_request = ""
-        self._previous: dict[int, Any] | None = None
         self._step_started: float | None = None
         #: Followers of the other stores a framework saves to (by location), on Drive.
         self._watchers: dict[str, DurabilityWatcher] = {}
@@ -121,6 +101,52 @@ class Watch:
         self.group: Group | None = None
         if announce:
             ev.announce(self)
+
+    # -- the loop control's, as the watch's own ------------------------------------------
+
+    @property
+    def events(self) -> ev.EventBus:
+        """The bus every event of this loop goes through."""
+        return self.control.events
+
+    @property
+    def cadence(self) -> Cadence:
+        """What saves and steps were measured to cost (the framework decides when to save)."""
+        return self.control.cadence
+
+    @property
+    def durability(self) -> DurabilityWatcher | None:
+        """Follows checkpoints on a write-back store (Drive) until the durable copy matches."""
+        return self.control.durability
+
+    @property
+    def deadline(self) -> float | None:
+        """When the session ends (a Unix time), or ``None``."""
+        return self.control.deadline
+
+    @deadline.setter
+    def deadline(self, when: float | None) -> None:
+        self.control.deadline = when
+
+    @property
+    def deadline_source(self) -> str:
+        """What the deadline is called."""
+        return self.control.deadline_source
+
+    @property
+    def signum(self) -> int | None:
+        """The stop signal received in the running loop (``None``: none)."""
+        return self.control.signum
+
+    @property
+    def after_stop(self) -> Callable[[int, int], object] | None:
+        """Called after a stop-save on a signal, before the exit (a Slurm job asks to be
+        requeued): ``after_stop(signum, step)``."""
+        return self.control.after_stop
+
+    @after_stop.setter
+    def after_stop(self, action: Callable[[int, int], object] | None) -> None:
+        self.control.after_stop = action
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -131,19 +157,13 @@ class Watch:
         #: The step the loop resumed from (``None`` for a fresh start): the panel counts the
         #: training at risk from there.
         self.restored_step = step or None
-        self._save_requested = False
-        self._stop_request = ""
-        self.signum = None
+        self.control.save_asked = False
+        self.control.begin(step, steered=False)
+        self.control.signum = None
         self.running = True
         self._step_started = time.monotonic()
         self.group = current_group()
-        if self._previous is None and threading.current_thread() is threading.main_thread():
-            self._previous = install_stop_handler(self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second interrupt: stop at once
-        self.signum = signum
+        self.control.hold_signals()
 
     def step_done(self, step: int, *, total: int | None = None, epoch: int | None = None) -> None:
         """A step boundary: ``step`` steps are done. Reports progress and learns the step's
@@ -162,11 +182,7 @@ class Watch:
     def stop_reason(self) -> str:
         """Why the loop must save and stop at this step boundary: a request (the panel), a
         signal, or the deadline near; ``""`` to go on."""
-        if self._stop_request:
-            return self._stop_request
-        if self.signum is not None:
-            return signal_reason(self.signum)
-        return deadline_reason(self.deadline, self.deadline_source, self._margin())
+        return self.control.why_stop(self.step)
 
     def decide(self) -> tuple[str, bool]:
         """At a step boundary: why the loop must save and stop (``""`` to go on), and whether
@@ -176,20 +192,16 @@ class Watch:
         every step boundary: the ranks combine their requests in one small ``all_reduce``, so
         that a signal, a deadline or a request seen by any rank stops every rank at this same
         step. A rank stopped by another's signal ends as that signal asks (:meth:`finish`)."""
-        reason, save = self.stop_reason(), self.save_requested()
+        control = self.control
+        reason = self.stop_reason()
+        own = BoundaryFlags(
+            stop=bool(reason), signum=control.signum or 0, save=self.save_requested()
+        )
         group = self.group
-        if group is None:
-            return reason, save
-        stop, signum, save_flag = group.agree([bool(reason), self.signum or 0, save])
-        if signum and self.signum is None:
-            self.signum = signum  # every rank ends the way the signalled one does
-        if stop and not reason:
-            reason = (
-                f"another process of the job received {signal.Signals(signum).name}"
-                if signum
-                else "another process of the job is stopping"
-            )
-        return reason, bool(save_flag)
+        agreed = control.agree(own, None if group is None else group.agree)
+        if agreed.stop:
+            reason = control.reason_of(agreed, reason)
+        return reason, agreed.save
 
     @property
     def leads(self) -> bool:
@@ -198,25 +210,21 @@ class Watch:
 
     def save_requested(self) -> bool:
         """Whether a save was asked for since the last call (the flag is cleared)."""
-        asked, self._save_requested = self._save_requested, False
-        return asked
+        return self.control.take_save_request()
 
     def request_save(self) -> None:
         """Ask for a save at the next step boundary. Safe from any thread."""
-        self._save_requested = True
+        self.control.request_save()
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Ask the loop to save at the next step boundary and stop. Safe from any thread."""
-        self._stop_request = reason or "stop requested"
+        self.control.request_stop(reason)
 
     @property
     def stop_at(self) -> float | None:
         """When the loop saves and stops for the deadline (a Unix time), with the margin as
         measured now; ``None`` without a deadline."""
-        return None if self.deadline is None else self.deadline - self._margin()
-
-    def _margin(self) -> float:
-        return deadline_margin(self.cadence, explicit=self._explicit_deadline)
+        return self.control.stop_at
 
     # -- saves --------------------------------------------------------------------------
 
@@ -318,8 +326,7 @@ class Watch:
     def stopping(self, step: int, reason: str) -> None:
         """The loop saved ``step`` and stops for ``reason``: report it."""
         self.step = step
-        self.events.emit(ev.STOPPING, step, reason=reason)
-        log.warning("nbresume: %s; saved step %d and stopped", reason, step)
+        self.control.stopped(step, reason)
 
     def finish(self, step: int, *, done: bool) -> None:
         """The loop ended at ``step`` (``done``: it ran to its end). Restores the signal
@@ -331,27 +338,17 @@ class Watch:
         self.running = False
         # What retention deleted is off the disk before the user's next cell archives the folder.
         self.store.wait_removals()
-        if self._previous is not None:
-            restore_signal_handlers(self._previous)
-            self._previous = None
+        self.control.restore_signals()
         if done:
             self.events.emit(ev.DONE, step)
-        signum, self.signum = self.signum, None
+        signum, self.control.signum = self.control.signum, None
         if signum is None or done:
             return
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if self.after_stop is not None and self.leads:
-            self.after_stop(signum, step)  # one action (a requeue) for the whole job
-        raise SystemExit(128 + signum)
+        self.control.end_for_signal(signum, step, leads=self.leads)
 
     def close(self) -> None:
         """Restore the signal handlers and stop following Drive uploads."""
-        if self._previous is not None:
-            restore_signal_handlers(self._previous)
-            self._previous = None
-        if self.durability is not None:
-            self.durability.close()
+        self.control.close()
         for watcher in self._watchers.values():
             watcher.close()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from nbresume import knobs
+from nbresume.checkpoint import hooks
 from nbresume.checkpoint.arguments import (
     check_positive_seconds,
     is_int,
@@ -111,7 +111,7 @@ class Cadence:
     def due(self, steps_since: int, seconds_since: float) -> bool:
         """Whether a save is due ``steps_since`` steps and ``seconds_since`` seconds after the
         last one."""
-        forced = knobs.save_every()  # `nbresume check`: kills must find saves to land in
+        forced = hooks.steering().save_every  # `nbresume check`: kills must find saves to hit
         if forced is not None:
             return steps_since >= forced
         if self.steps is not None:

@@ -24,22 +24,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from types import FrameType
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from nbresume import knobs
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import hooks
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
 from nbresume.checkpoint.format import flatten, parse_step_dirname
-from nbresume.checkpoint.loop import stops
 from nbresume.checkpoint.loop.cadence import Cadence
-from nbresume.checkpoint.loop.deadline import resolve_deadline
+from nbresume.checkpoint.loop.control import BoundaryFlags, LoopControl
 from nbresume.checkpoint.loop.durability import Confirmation, DurabilityWatcher, confirm
 from nbresume.checkpoint.loop.epochloop import Epochs
 from nbresume.checkpoint.loop.keywords import (
@@ -141,29 +137,21 @@ class Checkpointer:
         )
         check_bool("Checkpointer", "deterministic", deterministic)
         determinism.apply(deterministic, "Checkpointer")
-        if (sandbox := knobs.check_dir(dir)) is not None:  # `nbresume check`'s own folders
+        if (sandbox := hooks.steering().folder(dir)) is not None:  # `nbresume check`'s own
             dir, storage_options = sandbox, None
         self.store = CheckpointStore(
             dir, keep=keep, keep_best=keep_best, storage_options=storage_options
         )
-        self.cadence = Cadence(every)
+        #: When the loops save and stop: the cadence, the deadline, signals, requests, events.
+        self.control = LoopControl(self.store, every=every, deadline=deadline, callbacks=callbacks)
         self.async_save = async_save
         #: No progress display follows this Checkpointer (its callbacks still get every event).
         self.quiet = quiet
-        self.events = ev.EventBus(callbacks)
-        #: Watches checkpoints on a write-back store (Drive) until the durable copy matches.
-        self.durability = (
-            DurabilityWatcher(self.store, self.events) if self.store.backend.write_back else None
-        )
-        self._saver = Saver(self.store, self.events, self.cadence, self.durability)
+        control = self.control
+        self._saver = Saver(self.store, control.events, control.cadence, control.durability)
         self._background = self._saver.background
         #: How saves, restores and step boundaries run; chosen at the first save or restore.
         self._chosen: Strategy | None = None
-        #: Called after a stop-save on a signal, before the exit (a Slurm job asks to be
-        #: requeued): ``after_stop(signum, step)``, by the process that leads the job.
-        self.after_stop = hooks.after_stop_save
-        self.deadline, self.deadline_source = resolve_deadline(deadline)
-        self._explicit_deadline = deadline not in (None, "auto")
         self._keep_best = keep_best
         self._objects: dict[str, Any] = {}
         #: The loop of epochs(), and what the wrapped loaders tell it.
@@ -184,7 +172,6 @@ class Checkpointer:
         #: The number of processes of the job that saved the restored checkpoint, and of this
         #: one, where they differ (``None``: the same, or nothing restored).
         self.reshaped: tuple[int, int] | None = None
-        self.stop_reason = ""
         self._restored = False
         self._pending_objects: dict[str, Any] = {}  # restored state of objects not yet registered
         #: The run finished by leaving its loop early (``break``): that loop and its bound.
@@ -192,17 +179,55 @@ class Checkpointer:
         #: The metrics last given to save(), with their step: a later save of the same step
         #: (the loop's final save, a stop) keeps them.
         self._step_metrics: tuple[int, dict[str, float]] | None = None
-        self._last_saved_step: int | None = None
-        self._last_save_time = time.monotonic()
-        self._stop_signal: int | None = None
         self._in_loop = False
-        self._save_requested = False  # set from any thread by request_save()
-        self._stop_request = ""  # set from any thread by request_stop()
         # One live writer per folder: a second one is refused here, before it writes anything
         # (under torch.distributed only rank 0, the one that writes, takes the lease).
         self._lease = acquire_writer_lease(self.store.backend, drain=self._background.wait)
         atexit.register(self._at_exit)
         ev.announce(self)  # a notebook panel or a status line subscribes here
+
+    # -- the loop control's, as the Checkpointer's own -------------------------------------
+
+    @property
+    def events(self) -> ev.EventBus:
+        """The bus every :class:`~nbresume.checkpoint.events.Event` of this Checkpointer
+        goes through."""
+        return self.control.events
+
+    @property
+    def cadence(self) -> Cadence:
+        """When the loops save (``every=``), and what saves and steps were measured to cost."""
+        return self.control.cadence
+
+    @property
+    def durability(self) -> DurabilityWatcher | None:
+        """Follows checkpoints on a write-back store (Drive) until the durable copy matches."""
+        return self.control.durability
+
+    @property
+    def deadline(self) -> float | None:
+        """When the session ends (a Unix time), or ``None``."""
+        return self.control.deadline
+
+    @property
+    def deadline_source(self) -> str:
+        """What the deadline is called (``"Kaggle's 12 h cap"``, ``"deadline="``)."""
+        return self.control.deadline_source
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the last loop stopped early (``""``: it did not)."""
+        return self.control.stop_reason
+
+    @property
+    def after_stop(self) -> Callable[[int, int], object] | None:
+        """Called after a stop-save on a signal, before the exit (a Slurm job asks to be
+        requeued): ``after_stop(signum, step)``, by the process that leads the job."""
+        return self.control.after_stop
+
+    @after_stop.setter
+    def after_stop(self, action: Callable[[int, int], object] | None) -> None:
+        self.control.after_stop = action
 
     # -- registration ----------------------------------------------------------------------
 
@@ -305,7 +330,7 @@ class Checkpointer:
             saved.total is None or self.step >= saved.total or saved.ended_early is not None
         )
         self.restored_step = self.step
-        self._last_saved_step = self.step
+        self.control.saved_step = self.step
         # Checkpoints newer than this one were passed over (they fail verification or do not
         # fit): retention never deletes them.
         self.store.protect_newer_than(self.step)
@@ -386,8 +411,7 @@ class Checkpointer:
 
     def _mark_saved(self, step: int) -> None:
         """A save of ``step`` starts now: the cadence counts from here."""
-        self._last_saved_step = step
-        self._last_save_time = time.monotonic()
+        self.control.saved(step)
 
     def _sharded_objects(self) -> dict[str, Any]:
         """The objects whose state is sharded, by name (none, and nothing imported, in a
@@ -537,9 +561,6 @@ class Checkpointer:
                     break
         self._finish()
 
-    _smoke_stop_at: int | None = None
-    _budget_stop_at: int | None = None
-
     def _boundary(self, *, final: bool) -> bool:
         """At a step boundary: report progress, save when due, and stop when asked.
         Returns True when the loop must end now (the state was saved).
@@ -558,72 +579,50 @@ class Checkpointer:
         if final:
             return False  # the final save is blocking: it retries an earlier failure itself
         strategy = self._strategy()
-        reason = self._stop_requested()
-        cadence = strategy.leads and self.cadence.due(
-            self.step - (self._last_saved_step or 0), time.monotonic() - self._last_save_time
+        control = self.control
+        reason = control.why_stop(self.step)
+        flags = control.agree(
+            BoundaryFlags(
+                stop=bool(reason),
+                signum=control.signum or 0,
+                save=control.save_asked,
+                due=strategy.leads and control.due(self.step),
+                failed=self._background.failed,
+            ),
+            strategy.agree,
         )
-        stop, signum, save, due, failed = strategy.agree(
-            [bool(reason), self._stop_signal or 0, self._save_requested, cadence,
-             self._background.failed]
-        )  # fmt: skip
         # A background save failed: say so now, not after `every` more steps of training that
         # could not be saved. A stop goes first: its blocking save() tries again.
-        if failed and not stop:
+        if flags.failed and not flags.stop:
             strategy.raise_background_error()
-        if stop:
-            if signum and self._stop_signal is None:
-                self._stop_signal = signum  # every rank ends the way the signalled one does
-            self.stop_reason = reason or (
-                f"another process of the job received {signal.Signals(signum).name}"
-                if signum
-                else "another process of the job is stopping"
-            )
+        if flags.stop:
+            control.stop_reason = control.reason_of(flags, reason)
             self.save(block=True)
-            self.events.emit(ev.STOPPING, self.step, reason=self.stop_reason)
-            log.warning("nbresume: %s; saved step %d and stopped", self.stop_reason, self.step)
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            if signum:
-                if strategy.leads and self.after_stop is not None:
-                    self.after_stop(signum, self.step)  # one action (a requeue) for the job
-                raise SystemExit(128 + signum)
+            control.stopped(self.step, control.stop_reason)
+            if flags.signum:
+                control.end_for_signal(flags.signum, self.step, leads=strategy.leads)
             return True
-        if save or due:
-            self._save_requested = False
+        if flags.save or flags.due:
+            control.save_asked = False
             self.save()
         return False
 
     def request_save(self) -> None:
         """Ask for a save at the next step boundary. Safe from any thread (a panel's button,
         a handler): the save itself always happens in the training loop."""
-        self._save_requested = True
+        self.control.request_save()
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Ask the running loop to save at the next step boundary and end cleanly, as before a
         deadline (:attr:`done` stays false). Safe from any thread; a request made while no loop
         runs is dropped when the next loop starts."""
-        self._stop_request = reason or "stop requested"
+        self.control.request_stop(reason)
 
     @property
     def stop_at(self) -> float | None:
         """When a loop saves and stops for the deadline (a Unix time), with the margin as
         measured now; ``None`` without a deadline."""
-        return None if self.deadline is None else self.deadline - self._deadline_margin()
-
-    def _stop_requested(self) -> str:
-        if self._stop_request:
-            return self._stop_request
-        if self._smoke_stop_at is not None and self.step >= self._smoke_stop_at:
-            return f"smoke run: stopped after the steps {knobs.SMOKE_STEPS.name} allows"
-        if self._budget_stop_at is not None and self.step >= self._budget_stop_at:
-            return f"the budget of `nbresume check` ({knobs.STOP_AT_STEP.name})"
-        if self._stop_signal is not None:
-            return stops.signal_reason(self._stop_signal)
-        return stops.deadline_reason(self.deadline, self.deadline_source, self._deadline_margin())
-
-    def _deadline_margin(self) -> float:
-        """Enough time for one more step and a save, measured; a floor on platform caps."""
-        return stops.deadline_margin(self.cadence, explicit=self._explicit_deadline)
+        return self.control.stop_at
 
     def _finish(self) -> None:
         self.done = True
@@ -666,7 +665,7 @@ class Checkpointer:
         left, self._left_at = self._left_at, None
         if left is None or self._loop_bound is None or self.done:
             return
-        if self.stop_reason or self._stop_signal is not None:
+        if self.stop_reason or self.control.signum is not None:
             return  # a stop (a signal, the deadline) saved, or stops at once: not a break
         if sys.exc_info()[1] is not None or _unhandled() is not self._unhandled_at_loop:
             return  # an exception left the body: the newest checkpoint is where to resume
@@ -683,16 +682,15 @@ class Checkpointer:
         loop, bound = self._loop_bound
         step, epoch = left
         self.step, self.epoch = step, epoch
-        stopped = self._stop_request
+        stopped = self.control.stop_asked
         if stopped:
-            self.stop_reason = stopped
+            self.control.stop_reason = stopped
         else:
             self.done = True
             self._ended_early = {"loop": loop, "bound": bound}
         self._save_at(step, epoch, {}, background=False)
         if stopped:
-            log.warning("nbresume: %s; saved step %d and stopped", self.stop_reason, step)
-            self.events.emit(ev.STOPPING, step, reason=self.stop_reason)
+            self.control.stopped(step, stopped)
         else:
             log.info(
                 "nbresume: the loop was left at step %d (break): saved as the end of the run; "
@@ -713,28 +711,16 @@ class Checkpointer:
             self._unhandled_at_loop = _unhandled()
             # A stop asked for before this loop, or the reason the last one stopped, is not
             # meant for this one (epochs() ends early while stop_reason is set).
-            self._stop_request = ""
-            self.stop_reason = ""
-            smoke = knobs.smoke_steps()  # `nbresume smoke`: every loop stops a few steps in
-            self._smoke_stop_at = None if smoke is None else self.step + smoke
-            self._budget_stop_at = knobs.stop_at_step()  # `nbresume check`: the same N each run
+            self.control.begin(self.step)
         if self._in_loop or threading.current_thread() is not threading.main_thread():
             yield
             return
         self._in_loop = True
-        self._stop_signal = None
         self._epoch_loop.batch_started = None
-
-        def request(signum: int, frame: FrameType | None) -> None:
-            if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-                raise KeyboardInterrupt  # a second interrupt: stop at once
-            self._stop_signal = signum
-
-        previous = stops.install(request)
         try:
-            yield
+            with self.control.signals():
+                yield
         finally:
-            stops.restore(previous)
             self._in_loop = False
 
     # -- inspection and lifetime -----------------------------------------------------------
@@ -817,9 +803,6 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.location!r}, step={self.step}, done={self.done})"
-
-
-_STOP_SIGNALS = stops.STOP_SIGNALS
 
 
 def _unhandled() -> object:

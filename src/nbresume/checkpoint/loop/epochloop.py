@@ -55,8 +55,12 @@ class Host(Protocol):
     epoch: int
     total: int | None
     done: bool
-    stop_reason: str
-    cadence: Cadence
+
+    @property
+    def stop_reason(self) -> str: ...
+    @property
+    def cadence(self) -> Cadence: ...
+
     _objects: dict[str, Any]
     _step_watch: StepWatch
 
