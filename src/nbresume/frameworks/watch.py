@@ -134,6 +134,11 @@ class Watch:
         return self.control.deadline_source
 
     @property
+    def started(self) -> bool:
+        """Whether the framework's loop has begun (it has restored, if it resumes)."""
+        return self.running or self.restored_step is not None
+
+    @property
     def signum(self) -> int | None:
         """The stop signal received in the running loop (``None``: none)."""
         return self.control.signum

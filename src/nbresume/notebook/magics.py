@@ -14,7 +14,7 @@ import shlex
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from IPython.core.error import UsageError
@@ -23,6 +23,9 @@ from nbresume.checkpoint.units import format_duration
 from nbresume.errors import NbresumeError
 from nbresume.notebook import once as markers
 from nbresume.notebook.extension_state import ExtensionState, state
+
+if TYPE_CHECKING:
+    from nbresume.checkpoint.loop import RunningLoop
 
 USAGE = """\
 %nbresume doctor [--json] [--accelerator KIND] [--internet|--no-internet] [--dir DIR]
@@ -107,7 +110,7 @@ def status(args: list[str]) -> None:
     state.display_panel()
 
 
-def _safe_to_close(ckpt: Any) -> str:
+def _safe_to_close(ckpt: RunningLoop) -> str:
     """Whether the storage itself holds the newest checkpoint now (asked once, no waiting)."""
     from nbresume.checkpoint.loop import confirm
 
@@ -155,7 +158,7 @@ def save(args: list[str]) -> None:
     if info is None:  # pragma: no cover - a blocking save returns its checkpoint
         return
     where = f"step {info.step:,} ({format_bytes(info.size)}) at {info.location}"
-    if getattr(ckpt, "durability", None) is not None:
+    if ckpt.durability is not None:
         print(f"nbresume save: {where}: verified; syncing until the durable store confirms it")
     else:
         print(f"nbresume save: saved {where}: verified")
@@ -214,8 +217,10 @@ def _marker_fs(root: str) -> Any:
     if "://" not in root or root.startswith("file://"):
         return None
     ckpt = _state().tracker.checkpointer
-    backend: Any = getattr(getattr(ckpt, "store", None), "backend", None)
-    fs = getattr(backend, "fs", None)
+    if ckpt is None:
+        return None
+    backend = ckpt.store.backend
+    fs = getattr(backend, "fs", None)  # an fsspec store's file system
     if fs is None:
         return None
     return fs if _bucket(str(backend.location)) == _bucket(root) else None

@@ -28,7 +28,7 @@ from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.units import format_duration
 
 if TYPE_CHECKING:
-    from nbresume.checkpoint.loop import Checkpointer
+    from nbresume.checkpoint.loop import RunningLoop
     from nbresume.preflight import Check, Report
     from nbresume.run import Run
 
@@ -302,8 +302,8 @@ class Tracker:
         self._views: list[View] = []
         self._step_hooks: list[Callable[[], None]] = []
         self._unwatch: Callable[[], None] | None = None
-        self._ckpt: weakref.ref[Checkpointer] | None = None
-        self._subscribed: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+        self._ckpt: weakref.ref[RunningLoop] | None = None
+        self._subscribed: weakref.WeakSet[RunningLoop] = weakref.WeakSet()
         self.run: Run | None = None
         self.report: Report | None = None
         self._reset_progress()
@@ -386,7 +386,7 @@ class Tracker:
             self.report = report
         self._notify(None)
 
-    def attach(self, ckpt: Checkpointer) -> None:
+    def attach(self, ckpt: RunningLoop) -> None:
         """Follow ``ckpt``: subscribe to its events and show it from now on."""
         with self._lock:
             if ckpt not in self._subscribed:
@@ -396,7 +396,7 @@ class Tracker:
             self._make_current(ckpt)
         self._notify(None)
 
-    def _make_current(self, ckpt: Checkpointer) -> None:
+    def _make_current(self, ckpt: RunningLoop) -> None:
         if self.checkpointer is ckpt:
             return
         self._ckpt = weakref.ref(ckpt)
@@ -429,13 +429,13 @@ class Tracker:
             )
 
     @property
-    def checkpointer(self) -> Checkpointer | None:
+    def checkpointer(self) -> RunningLoop | None:
         """The Checkpointer shown (the newest one that was created or did something)."""
         return self._ckpt() if self._ckpt is not None else None
 
     # -- events ----------------------------------------------------------------------------
 
-    def _on_event(self, ref: weakref.ref[Checkpointer], event: ev.Event) -> None:
+    def _on_event(self, ref: weakref.ref[RunningLoop], event: ev.Event) -> None:
         ckpt = ref()
         if ckpt is None:
             return
@@ -463,7 +463,7 @@ class Tracker:
                 log.exception("nbresume: a step hook failed")
         self._notify(event)
 
-    def _fold(self, ckpt: Checkpointer, event: ev.Event) -> None:
+    def _fold(self, ckpt: RunningLoop, event: ev.Event) -> None:
         kind, step, data = event.kind, event.step, event.data
         if kind == ev.STEP:
             if self.step is not None and step < self.step:
@@ -485,7 +485,7 @@ class Tracker:
             self.saving = CheckpointView(step, VERIFYING, data.get("size"), event.time)
         elif kind == ev.VERIFIED:
             # On a write-back store (Drive) a checkpoint that reads back is not saved yet.
-            state = SYNCING if getattr(ckpt, "durability", None) is not None else SAVED
+            state = SYNCING if ckpt.durability is not None else SAVED
             self._set_state(step, state, data.get("size"), event.time, data.get("location", ""))
             if self._verified is None or step >= self._verified[0]:
                 self._verified = (step, event.time)
@@ -628,13 +628,13 @@ class Tracker:
                 reshaped=self.reshaped,
             )
 
-    def _at_risk(self, ckpt: Checkpointer | None, now: float) -> AtRisk:
+    def _at_risk(self, ckpt: RunningLoop | None, now: float) -> AtRisk:
         """The training since the last verified checkpoint of the Checkpointer shown (or the
         one it restored), and the warning when that is more than twice its cadence."""
         if ckpt is None:
             return AtRisk()
         base: tuple[int, float | None] | None = self._verified
-        restored = getattr(ckpt, "restored_step", None)
+        restored = ckpt.restored_step
         if base is None and restored:
             # Restored from a checkpoint that verified as it was loaded.
             found = self._states.get(restored)
@@ -652,7 +652,7 @@ class Tracker:
         step, at = base if base is not None else (None, None)
         return AtRisk(step, at, steps, seconds, warning)
 
-    def _new_warning(self, ckpt: Checkpointer) -> str:
+    def _new_warning(self, ckpt: RunningLoop) -> str:
         """The cadence warning if it has just appeared (it is logged once, not at every step)."""
         warning = self._at_risk(ckpt, self.clock()).warning
         if not warning or self._warned:
@@ -701,7 +701,7 @@ class Tracker:
                 facts.append(Fact(check.name, _seen(check), check.status))
         return tuple(facts)
 
-    def _free_bytes(self, ckpt: Checkpointer | None) -> int | None:
+    def _free_bytes(self, ckpt: RunningLoop | None) -> int | None:
         now = time.monotonic()
         if self._free is not None and now - self._free[0] < FREE_SPACE_TTL_S:
             return self._free[1]
@@ -720,11 +720,11 @@ class Tracker:
 
 
 def _cadence_warning(
-    ckpt: Checkpointer, steps: int, seconds: float | None, verified: int | None
+    ckpt: RunningLoop, steps: int, seconds: float | None, verified: int | None
 ) -> str:
     """Why ``steps`` steps (``seconds`` of training) since the checkpoint of step ``verified``
     (``None``: there is none) is too long for ``ckpt``'s cadence, or ``""``."""
-    cadence = getattr(ckpt, "cadence", None)
+    cadence = ckpt.cadence
     lost = "a crash now would lose that training; check why saves fail"
     what = (
         f"since the last verified checkpoint (step {verified:,})"

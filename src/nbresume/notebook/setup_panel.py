@@ -330,7 +330,7 @@ def _refuse_after_restore(run: Run) -> None:
     from nbresume.notebook.progress import tracker
 
     ckpt = tracker().checkpointer
-    if ckpt is None or getattr(ckpt, "_chosen", None) is None:
+    if ckpt is None or not ckpt.started:
         return
     if str(ckpt.store.location).rstrip("/") != run.dir.rstrip("/"):
         return

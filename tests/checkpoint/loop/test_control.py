@@ -13,7 +13,7 @@ import torch
 
 import nbresume
 from nbresume.checkpoint import hooks
-from nbresume.checkpoint.loop import BoundaryFlags, LoopControl
+from nbresume.checkpoint.loop import BoundaryFlags, LoopControl, RunningLoop
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.frameworks.watch import Watch
 
@@ -107,3 +107,19 @@ def test_requests_are_dropped_when_a_new_loop_begins(tmp_path: Path) -> None:
     control.request_save()
     assert control.take_save_request()
     assert not control.take_save_request()
+
+
+def test_the_panel_reads_a_checkpointer_and_a_framework_watch_alike(tmp_path: Path) -> None:
+    ckpt = nbresume.Checkpointer(tmp_path / "a", quiet=True, model=torch.nn.Linear(2, 2))
+    watch = Watch(CheckpointStore(tmp_path / "b"), deadline=None, announce=False)
+    try:
+        for loop in (ckpt, watch):
+            assert isinstance(loop, RunningLoop)
+            assert not loop.started
+        list(ckpt.steps(1))
+        watch.start(step=0, total=2)
+        assert ckpt.started
+        assert watch.started
+    finally:
+        ckpt.close()
+        watch.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from nbresume.checkpoint.loop.cadence import Cadence
 from nbresume.checkpoint.loop.checkpointer import Checkpointer
-from nbresume.checkpoint.loop.control import BoundaryFlags, LoopControl
+from nbresume.checkpoint.loop.control import BoundaryFlags, LoopControl, RunningLoop
 from nbresume.checkpoint.loop.deadline import check_deadline, resolve_deadline, session_started_at
 from nbresume.checkpoint.loop.durability import Confirmation, DurabilityWatcher, confirm
 from nbresume.checkpoint.loop.saver import SaveFunction, report_save
@@ -30,6 +30,7 @@ __all__ = [
     "Confirmation",
     "DurabilityWatcher",
     "LoopControl",
+    "RunningLoop",
     "SaveFunction",
     "check_deadline",
     "confirm",

@@ -215,6 +215,11 @@ class Checkpointer:
         return self.control.deadline_source
 
     @property
+    def started(self) -> bool:
+        """Whether it has restored or saved (what it restores from is decided)."""
+        return self._chosen is not None
+
+    @property
     def stop_reason(self) -> str:
         """Why the last loop stopped early (``""``: it did not)."""
         return self.control.stop_reason

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
+from typing import Protocol, runtime_checkable
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import hooks
@@ -34,7 +35,7 @@ from nbresume.checkpoint.loop import stops
 from nbresume.checkpoint.loop.cadence import Cadence
 from nbresume.checkpoint.loop.deadline import resolve_deadline
 from nbresume.checkpoint.loop.durability import DurabilityWatcher
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
 
 log = logging.getLogger("nbresume")
 
@@ -256,4 +257,42 @@ class LoopControl:
             self.durability.close()
 
 
-__all__ = ["Agree", "BoundaryFlags", "LoopControl"]
+@runtime_checkable
+class RunningLoop(Protocol):
+    """What the notebook panel, the magics, the status line and ``nbresume status`` read of
+    a training loop, whether a :class:`~nbresume.checkpoint.loop.Checkpointer` runs it or a
+    framework does (:class:`~nbresume.frameworks.watch.Watch`)."""
+
+    @property
+    def store(self) -> CheckpointStore: ...
+    @property
+    def events(self) -> ev.EventBus: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def total(self) -> int | None: ...
+    @property
+    def epoch(self) -> int | None: ...
+    @property
+    def cadence(self) -> Cadence: ...
+    @property
+    def durability(self) -> DurabilityWatcher | None: ...
+    @property
+    def restored_step(self) -> int | None: ...
+    @property
+    def started(self) -> bool: ...
+    @property
+    def deadline(self) -> float | None: ...
+    @property
+    def deadline_source(self) -> str: ...
+    @property
+    def stop_at(self) -> float | None: ...
+
+    def request_save(self) -> None: ...
+    def request_stop(self, reason: str = ...) -> None: ...
+    def save(self, step: int | None = None, *, block: bool = ...) -> CheckpointInfo | None: ...
+    def wait(self, *, durable: bool = ..., timeout: float | None = ...) -> object: ...
+    def latest(self) -> CheckpointInfo | None: ...
+
+
+__all__ = ["Agree", "BoundaryFlags", "LoopControl", "RunningLoop"]
