@@ -149,10 +149,8 @@ class Checkpointer:
         self.quiet = quiet
         control = self.control
         self._saver = Saver(self.store, control.events, control.cadence, control.durability)
-        self._background = self._saver.background
         #: How saves, restores and step boundaries run; chosen at the first save or restore.
         self._chosen: Strategy | None = None
-        self._keep_best = keep_best
         self._objects: dict[str, Any] = {}
         #: The loop of epochs(), and what the wrapped loaders tell it.
         self._epoch_loop = Epochs(self)
@@ -179,10 +177,9 @@ class Checkpointer:
         #: The metrics last given to save(), with their step: a later save of the same step
         #: (the loop's final save, a stop) keeps them.
         self._step_metrics: tuple[int, dict[str, float]] | None = None
-        self._in_loop = False
         # One live writer per folder: a second one is refused here, before it writes anything
         # (under torch.distributed only rank 0, the one that writes, takes the lease).
-        self._lease = acquire_writer_lease(self.store.backend, drain=self._background.wait)
+        self._lease = acquire_writer_lease(self.store.backend, drain=self._saver.background.wait)
         atexit.register(self._at_exit)
         ev.announce(self)  # a notebook panel or a status line subscribes here
 
@@ -426,7 +423,7 @@ class Checkpointer:
 
     def _metrics(self, metric: float | Mapping[str, float] | None) -> dict[str, float]:
         """``save(metric=)`` as ``{name: number}``: one number is named by ``keep_best``."""
-        name = self._keep_best[0] if self._keep_best else "metric"
+        name = self.store.keep_best[0] if self.store.keep_best else "metric"
         return check_metric("Checkpointer.save", metric, name)
 
     def _capture(
@@ -492,7 +489,7 @@ class Checkpointer:
 
         Under ``torch.distributed`` every rank calls it, and every rank raises rank 0's error.
         """
-        self._background.wait()
+        self._saver.background.wait()
         if self._chosen is not None:  # else nothing was ever saved
             self._chosen.raise_background_error()
         return confirm(self.store, timeout=timeout) if durable else None
@@ -592,7 +589,7 @@ class Checkpointer:
                 signum=control.signum or 0,
                 save=control.save_asked,
                 due=strategy.leads and control.due(self.step),
-                failed=self._background.failed,
+                failed=self._saver.background.failed,
             ),
             strategy.agree,
         )
@@ -639,13 +636,6 @@ class Checkpointer:
 
     # -- a loop left early (break): early stopping ------------------------------------------
 
-    #: The running loop and its bound: ("steps", total) or ("epochs", count).
-    _loop_bound: tuple[str, int] | None = None
-    #: Where a body left by ``break`` ended: the (step, epoch) its save records.
-    _left_at: tuple[int, int] | None = None
-    #: The last exception no one handled when the loop started (sys.last_value).
-    _unhandled_at_loop: object = None
-
     def _ends_here(self, loop: str, bound: int) -> bool:
         """Whether the restored run ended early in this same loop: it trains no further. Asked
         for another bound, it is unfinished again."""
@@ -659,20 +649,21 @@ class Checkpointer:
     def _note_left(self) -> None:
         """The loop's generator is closed while its body runs: the body was left (``break``,
         or an exception; CPython closes it at once). close() decides which it was."""
-        if self._left_at is None:
-            self._left_at = self._epoch_loop.position()
+        if self.control.exit.left_at is None:
+            self.control.exit.left_at = self._epoch_loop.position()
 
     def _end_left_loop(self) -> None:
         """At close() (or the interpreter's exit): a loop body left by ``break`` is the run's
         end. Its step is saved as finished, and the same code run again trains no further
         (with ``request_stop()`` before the break, it is saved as stopped, not finished). A
         body left by an exception saves nothing: the newest checkpoint is where to resume."""
-        left, self._left_at = self._left_at, None
-        if left is None or self._loop_bound is None or self.done:
+        ended = self.control.exit
+        left, ended.left_at = ended.left_at, None
+        if left is None or ended.bound is None or self.done:
             return
         if self.stop_reason or self.control.signum is not None:
             return  # a stop (a signal, the deadline) saved, or stops at once: not a break
-        if sys.exc_info()[1] is not None or _unhandled() is not self._unhandled_at_loop:
+        if sys.exc_info()[1] is not None or _unhandled() is not ended.unhandled_at_start:
             return  # an exception left the body: the newest checkpoint is where to resume
         if self._lease is not None:
             try:
@@ -684,7 +675,7 @@ class Checkpointer:
             except (OSError, StorageError):
                 pass  # the save itself reports what is wrong with the folder
         self._epoch_loop.body = None
-        loop, bound = self._loop_bound
+        loop, bound = ended.bound
         step, epoch = left
         self.step, self.epoch = step, epoch
         stopped = self.control.stop_asked
@@ -710,23 +701,24 @@ class Checkpointer:
         """Signals become stop requests handled at the next step boundary, never a write in
         the handler itself."""
         health.watch_oom(self)  # an out-of-memory error leaving the body gets the advice
-        if not self._in_loop:
-            self._loop_bound = bound
-            self._left_at = None
-            self._unhandled_at_loop = _unhandled()
+        ended = self.control.exit
+        if not ended.running:
+            ended.bound = bound
+            ended.left_at = None
+            ended.unhandled_at_start = _unhandled()
             # A stop asked for before this loop, or the reason the last one stopped, is not
             # meant for this one (epochs() ends early while stop_reason is set).
             self.control.begin(self.step)
-        if self._in_loop or threading.current_thread() is not threading.main_thread():
+        if ended.running or threading.current_thread() is not threading.main_thread():
             yield
             return
-        self._in_loop = True
+        ended.running = True
         self._epoch_loop.batch_started = None
         try:
             with self.control.signals():
                 yield
         finally:
-            self._in_loop = False
+            ended.running = False
 
     # -- inspection and lifetime -----------------------------------------------------------
 
@@ -786,8 +778,8 @@ class Checkpointer:
             self.close()
         else:
             atexit.unregister(self._at_exit)
-            self._background.wait()
-            error = self._background.take_error()
+            self._saver.background.wait()
+            error = self._saver.background.take_error()
             if error is not None:
                 log.error("nbresume: a background save failed: %s", error)
             self._release_lease()
@@ -797,8 +789,8 @@ class Checkpointer:
             self._end_left_loop()
         except Exception as exc:  # the interpreter is exiting: say it, never raise
             print(f"nbresume: the early stop could not be saved: {exc}", file=sys.stderr)
-        self._background.wait()
-        error = self._background.take_error()
+        self._saver.background.wait()
+        error = self._saver.background.take_error()
         if error is not None:
             print(
                 f"nbresume: the last background save failed and is NOT on disk: {error}",

@@ -73,6 +73,21 @@ class BoundaryFlags:
         return BoundaryFlags(bool(stop), int(signum), bool(save), bool(due), bool(failed))
 
 
+@dataclass
+class LoopExit:
+    """How the running loop may be left: a body left by ``break`` is the run's end, one left
+    by an exception is not (the newest checkpoint is where to resume)."""
+
+    #: The running loop and its bound (``("steps", total)`` or ``("epochs", count)``).
+    bound: tuple[str, int] | None = None
+    #: Where a body left early ended: the (step, epoch) its save records.
+    left_at: tuple[int, int] | None = None
+    #: The last exception no one handled when the loop started (``sys.last_exc``).
+    unhandled_at_start: object = None
+    #: Whether a loop runs now (a loop inside it, or in another thread, changes nothing).
+    running: bool = False
+
+
 class LoopControl:
     """When a loop saves and when it stops (see the module's docstring).
 
@@ -116,6 +131,8 @@ class LoopControl:
         self.steered_stop: tuple[int, str] | None = None
         self.saved_step: int | None = None
         self.saved_at = time.monotonic()
+        #: The running loop, and where a body left by ``break`` ends the run.
+        self.exit = LoopExit()
         self._previous: dict[int, object] | None = None
 
     # -- requests, from any thread ------------------------------------------------------
