@@ -37,7 +37,7 @@ from nbresume.checkpoint.format import flatten, parse_step_dirname
 from nbresume.checkpoint.loop.cadence import Cadence
 from nbresume.checkpoint.loop.control import BoundaryFlags, LoopControl
 from nbresume.checkpoint.loop.durability import Confirmation, DurabilityWatcher, confirm
-from nbresume.checkpoint.loop.epochloop import Epochs
+from nbresume.checkpoint.loop.epochloop import Epochs, LoopSteps
 from nbresume.checkpoint.loop.keywords import (
     check_arguments,
     check_name,
@@ -152,10 +152,22 @@ class Checkpointer:
         #: How saves, restores and step boundaries run; chosen at the first save or restore.
         self._chosen: Strategy | None = None
         self._objects: dict[str, Any] = {}
-        #: The loop of epochs(), and what the wrapped loaders tell it.
-        self._epoch_loop = Epochs(self)
         #: Which registered optimizers stepped in the running step (pending gradients).
         self._step_watch = optimizer_extras.StepWatch()
+        #: The loop of epochs(), and what the wrapped loaders tell it.
+        self._epoch_loop = Epochs(
+            self,
+            LoopSteps(
+                objects=self._objects,
+                step_watch=self._step_watch,
+                hold_lease=self._hold_lease,
+                loop=self._loop,
+                ends_here=self._ends_here,
+                note_left=self._note_left,
+                boundary=self._boundary,
+                finish=self._finish,
+            ),
+        )
         #: The parameter groups each optimizer had when registered, by id.
         self._initial_groups: dict[int, int] = {}
         self._trainable_only = trainable_only
@@ -170,7 +182,19 @@ class Checkpointer:
         #: The number of processes of the job that saved the restored checkpoint, and of this
         #: one, where they differ (``None``: the same, or nothing restored).
         self.reshaped: tuple[int, int] | None = None
-        self._restored = False
+        #: What the strategy is given of this Checkpointer (it records whether it restored).
+        self._host = StrategyHost(
+            store=self.store,
+            saver=self._saver,
+            counters=self,
+            objects=self._objects,
+            capture=self._capture,
+            mark_saved=self._mark_saved,
+            apply_plan=self._apply_plan,
+            any_committed=self._any_committed,
+            sharded_objects=self._sharded_objects,
+            wrapped_loaders=self._epoch_loop.wrapped_loaders,
+        )
         self._pending_objects: dict[str, Any] = {}  # restored state of objects not yet registered
         #: The run finished by leaving its loop early (``break``): that loop and its bound.
         self._ended_early: dict[str, Any] | None = None
@@ -291,7 +315,7 @@ class Checkpointer:
         self._objects[name] = wrapped
         if name in self._pending_objects:
             restoring.load_object(name, wrapped, self._pending_objects.pop(name))
-        if self._restored:
+        if self._host.restored:
             self._strategy().share_loader_seeds([wrapped])
         return wrapped
 
@@ -312,7 +336,7 @@ class Checkpointer:
         """The strategy of this Checkpointer, chosen once: at the first save or restore (see
         :mod:`nbresume.checkpoint.loop.strategies`)."""
         if self._chosen is None:
-            self._chosen = choose(_StrategyHost(self))
+            self._chosen = choose(self._host)
         return self._chosen
 
     def _apply_plan(self, plan: restoring.RestorePlan) -> None:
@@ -808,34 +832,39 @@ def _unhandled() -> object:
     return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
 
 
-class _StrategyHost:
-    """What this Checkpointer gives its strategy
+class StrategyHost:
+    """What a Checkpointer gives its strategy
     (:class:`~nbresume.checkpoint.loop.strategies.Host`): the store, the saver and the steps of a
     save and a restore, and nothing else of it."""
 
-    def __init__(self, ck: Checkpointer) -> None:
-        self._ck = ck
-        self.store = ck.store
-        self.saver = ck._saver
-        self.capture = ck._capture
-        self.mark_saved = ck._mark_saved
-        self.apply_plan = ck._apply_plan
-        self.any_committed = ck._any_committed
-        self.sharded_objects = ck._sharded_objects
-        self.wrapped_loaders = ck._epoch_loop.wrapped_loaders
+    def __init__(
+        self,
+        *,
+        store: CheckpointStore,
+        saver: Saver,
+        counters: Checkpointer,
+        objects: Mapping[str, Any],
+        capture: Callable[..., Snapshot],
+        mark_saved: Callable[[int], None],
+        apply_plan: Callable[[restoring.RestorePlan], None],
+        any_committed: Callable[[], bool],
+        sharded_objects: Callable[[], dict[str, Any]],
+        wrapped_loaders: Callable[[], list[ResumableLoader]],
+    ) -> None:
+        self.store = store
+        self.saver = saver
+        self.objects = objects
+        self.capture = capture
+        self.mark_saved = mark_saved
+        self.apply_plan = apply_plan
+        self.any_committed = any_committed
+        self.sharded_objects = sharded_objects
+        self.wrapped_loaders = wrapped_loaders
+        #: Whether the Checkpointer restored (or found nothing to restore) already.
+        self.restored = False
+        self._counters = counters
 
     @property
     def step(self) -> int:
-        return self._ck.step
-
-    @property
-    def objects(self) -> Mapping[str, Any]:
-        return self._ck._objects
-
-    @property
-    def restored(self) -> bool:
-        return self._ck._restored
-
-    @restored.setter
-    def restored(self, value: bool) -> None:
-        self._ck._restored = value
+        """The Checkpointer's step."""
+        return self._counters.step

@@ -1,7 +1,8 @@
 """The loop of :meth:`Checkpointer.epochs` and what wrapped loaders tell it.
 
-A Checkpointer holds one :class:`Epochs`, given the little of the Checkpointer it uses
-(:class:`Host`: the counters, the cadence, the registered objects, the step boundary). The
+A Checkpointer holds one :class:`Epochs`, given the little of the Checkpointer it uses: its
+public counters (:class:`Host`) and the steps of a loop it runs (:class:`LoopSteps`: the
+registered objects, the lease, the step boundary, the end). The
 protocol (:class:`nbresume.checkpoint.state.data.EpochLoop`, implemented here): a
 :class:`~nbresume.checkpoint.state.ResumableLoader` reports to the epoch loop when a pass over
 its data begins (``_begin_pass``), when it is asked for a batch
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nbresume.checkpoint.state import ResumableLoader
@@ -49,7 +51,7 @@ class EpochState:
 
 
 class Host(Protocol):
-    """What the epoch loop uses of its :class:`~nbresume.checkpoint.loop.Checkpointer`."""
+    """The public counters of the epoch loop's :class:`~nbresume.checkpoint.loop.Checkpointer`."""
 
     step: int
     epoch: int
@@ -61,23 +63,42 @@ class Host(Protocol):
     @property
     def cadence(self) -> Cadence: ...
 
-    _objects: dict[str, Any]
-    _step_watch: StepWatch
-
     def restore(self) -> int: ...
-    def _hold_lease(self) -> None: ...
-    def _loop(self, bound: tuple[str, int]) -> AbstractContextManager[None]: ...
-    def _ends_here(self, loop: str, bound: int) -> bool: ...
-    def _note_left(self) -> None: ...
-    def _boundary(self, *, final: bool) -> bool: ...
-    def _finish(self) -> None: ...
+
+
+class Boundary(Protocol):
+    """A step boundary: ``True`` when the loop must end now (the state was saved)."""
+
+    def __call__(self, *, final: bool) -> bool: ...
+
+
+@dataclass(frozen=True)
+class LoopSteps:
+    """The steps of a loop that the Checkpointer runs for the epoch loop, and what it owns."""
+
+    #: The registered stateful objects, by name (the wrapped loaders among them).
+    objects: dict[str, Any]
+    #: Which registered optimizers stepped in the running step.
+    step_watch: StepWatch
+    #: Hold the folder's writer lease before the first step.
+    hold_lease: Callable[[], None]
+    #: The running loop's context (its bound; signals as requests).
+    loop: Callable[[tuple[str, int]], AbstractContextManager[None]]
+    #: Whether the restored run ended early in this same loop (``(loop, bound)``).
+    ends_here: Callable[[str, int], bool]
+    #: The loop's body was left (``break`` or an exception).
+    note_left: Callable[[], None]
+    boundary: Boundary
+    #: The loop ran to its end: save and report it.
+    finish: Callable[[], None]
 
 
 class Epochs:
     """The epoch loop of a :class:`~nbresume.checkpoint.loop.Checkpointer` (its ``host``)."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, steps: LoopSteps) -> None:
         self.host = host
+        self.steps = steps
         self.loops_started = 0
         #: The running epochs() loop, while it runs.
         self.state: EpochState | None = None
@@ -116,38 +137,38 @@ class Epochs:
         """The loop of ``Checkpointer.epochs(count)``."""
         self.host.restore()
         self.host.total = None
-        if self.host.epoch >= count or self.host._ends_here("epochs", count):
+        if self.host.epoch >= count or self.steps.ends_here("epochs", count):
             self.host.done = True
             return
         self.host.done = False
-        self.host._hold_lease()
+        self.steps.hold_lease()
         self.loops_started += 1
         state = EpochState(self.loops_started)
         self.state = state
         for loader in self.wrapped_loaders():
             loader._on_batch = self  # loaders wrapped later are attached by loader()
-        with self.host._loop(("epochs", count)):
+        with self.steps.loop(("epochs", count)):
             try:
                 while self.host.epoch < count:
                     started = time.monotonic()
                     self.body = "epoch"
-                    self.host._step_watch.step_begins()  # the epoch is the step without loaders
+                    self.steps.step_watch.step_begins()  # the epoch is the step without loaders
                     try:
                         yield self.host.epoch
                     except GeneratorExit:
-                        self.host._note_left()
+                        self.steps.note_left()
                         raise
                     self.body = None
                     if self.host.stop_reason:
                         return
                     self._end_epoch(state, started)
-                    if self.host._boundary(final=self.host.epoch >= count):
+                    if self.steps.boundary(final=self.host.epoch >= count):
                         return
             finally:
                 if self.state is state:  # not a loop started since (a generator closed late)
                     self.state = None
                     self.body = None
-        self.host._finish()
+        self.steps.finish()
 
     # How a wrapped loader reports to the epoch loop (data.EpochLoop). Step boundaries run
     # only where the loop's own thread is in nbresume's code: when a loader is asked for a
@@ -167,7 +188,7 @@ class Epochs:
         )
 
     def wrapped_loaders(self) -> list[ResumableLoader]:
-        return [o for o in self.host._objects.values() if isinstance(o, ResumableLoader)]
+        return [o for o in self.steps.objects.values() if isinstance(o, ResumableLoader)]
 
     def _in_epoch_body(self) -> bool:
         return self.body == "epoch" and self.state is not None
@@ -220,7 +241,7 @@ class Epochs:
         state.owed = False
         state.requesting = True
         try:
-            return self.host._boundary(final=False)
+            return self.steps.boundary(final=False)
         finally:
             state.requesting = False
 
@@ -228,7 +249,7 @@ class Epochs:
         state = self.state
         assert state is not None
         if not state.step:  # the first batch of a step: the step begins
-            self.host._step_watch.step_begins()
+            self.steps.step_watch.step_begins()
         state.step.add(id(loader))
         state.batches += 1
 
