@@ -1,0 +1,326 @@
+"""A stand-in of the Hugging Face Hub's Storage Buckets on loopback, for the real client.
+
+Built from what ``huggingface_hub`` and ``hf_xet`` send (read from their source, versions in
+:data:`BUILT_FROM`): the Hub's JSON endpoints for buckets (whoami, bucket info, tree, paths-info,
+the ndjson batch of adds and deletes, the resolve HEAD a download starts with) and the xet token
+endpoints, which hand the client its content-addressed store (CAS).
+
+The CAS itself is not a stand-in of ours: the token endpoints answer with a ``local://`` CAS
+URL, which the real ``hf_xet`` serves itself (its own simulation client, writing xorbs and
+shards to a folder). So the bytes really go through hf_xet's chunking, xorbs and shards, and a
+download really reconstructs them from there. What is not exercised is hf_xet's HTTP CAS
+protocol (xorb grants, xorb and shard uploads, reconstruction queries): see the storage docs.
+
+A file the client adds is recorded with the ``xetHash`` the client declares, as the Hub does;
+an add whose hash is not in the CAS (its upload did not finish) is reported failed, as the Hub
+does. Unknown endpoints answer 404 and are recorded in :attr:`HubStandIn.unknown`.
+
+Faults: :meth:`~HubStandIn.rate_limit` (429 with ``Retry-After``), :meth:`~HubStandIn.hang_batch`
+(an upload that never finishes: the client's process can be killed in it), a listing that
+reports another ``xet_hash`` (:attr:`~HubStandIn.wrong_hash`), an expired token
+(:attr:`~HubStandIn.tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+#: The client versions this stand-in was built from (their endpoints and payloads).
+BUILT_FROM = {"huggingface_hub": "2.4.0", "hf_xet": "1.8.0"}
+
+_BUCKET = r"/api/buckets/(?P<owner>[^/]+)/(?P<name>[^/?]+)"
+ROUTES: list[tuple[str, re.Pattern[str], str]] = [
+    ("GET", re.compile(r"/api/whoami-v2$"), "whoami"),
+    ("GET", re.compile(_BUCKET + r"$"), "info"),
+    ("GET", re.compile(_BUCKET + r"/tree(?P<path>/.*)?$"), "tree"),
+    ("POST", re.compile(_BUCKET + r"/paths-info$"), "paths_info"),
+    ("POST", re.compile(_BUCKET + r"/batch$"), "batch"),
+    ("GET", re.compile(_BUCKET + r"/xet-(?P<kind>read|write)-token$"), "xet_token"),
+    ("HEAD", re.compile(r"/buckets/(?P<owner>[^/]+)/(?P<name>[^/]+)/resolve/(?P<path>.+)$"),
+     "resolve"),  # fmt: skip
+]
+
+
+@dataclass
+class Token:
+    user: str
+    role: str = "write"  # "read" or "write"
+    expired: bool = False
+
+
+@dataclass
+class Entry:
+    size: int
+    xet_hash: str
+    mtime: int
+
+
+@dataclass
+class HubStandIn:
+    """The Hub on loopback. ``buckets``: bucket id -> {path: Entry}."""
+
+    cas_dir: Path
+    tokens: dict[str, Token] = field(default_factory=dict)
+    buckets: dict[str, dict[str, Entry]] = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    #: path -> the xet_hash the listing reports instead of the recorded one.
+    wrong_hash: dict[str, str] = field(default_factory=dict)
+    _limits: list[tuple[str, int, int]] = field(default_factory=list)
+    _hang: str | None = None
+    hung: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_port}"
+
+    def start(self) -> HubStandIn:
+        hub = self
+
+        class Handler(_Handler):
+            standin = hub
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.release.set()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def create_bucket(self, bucket_id: str) -> None:
+        self.buckets.setdefault(bucket_id, {})
+
+    def rate_limit(self, route: str, *, times: int = 1, retry_after: int = 1) -> None:
+        """Answer the next ``times`` calls of ``route`` (e.g. ``"paths_info"``) with 429."""
+        self._limits.append((route, times, retry_after))
+
+    def hang_batch(self, path_suffix: str) -> None:
+        """Hold the first batch that adds a path ending with ``path_suffix`` until
+        :attr:`release` is set (or the client is killed); :attr:`hung` is set meanwhile."""
+        self._hang = path_suffix
+
+    def files(self, bucket_id: str) -> dict[str, Entry]:
+        with self.lock:
+            return dict(self.buckets.get(bucket_id, {}))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    standin: HubStandIn
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _send(self, status: int, body: Any = None, headers: dict[str, str] | None = None) -> None:
+        data = b"" if body is None else json.dumps(body).encode()
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        if body is not None:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _dispatch(self) -> None:
+        hub = self.standin
+        parts = urlsplit(self.path)
+        body = self._body()
+        for method, pattern, route in ROUTES:
+            match = pattern.match(parts.path)
+            if match and method == self.command:
+                break
+        else:
+            hub.unknown.append(f"{self.command} {parts.path}")
+            self._send(404, {"error": f"unknown endpoint {self.command} {parts.path}"})
+            return
+        hub.calls.append((route, parts.path))
+        with hub.lock:
+            for i, (name, times, wait) in enumerate(hub._limits):
+                if name == route and times > 0:
+                    hub._limits[i] = (name, times - 1, wait)
+                    self._send(429, {"error": "rate limited"}, {"Retry-After": str(wait)})
+                    return
+        token = self._token()
+        if token is None:
+            return
+        args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
+        getattr(self, "do_" + route)(token, args, parse_qs(parts.query), body)
+
+    do_GET = do_POST = do_HEAD = _dispatch
+
+    def _token(self) -> Token | None:
+        header = self.headers.get("Authorization", "")
+        token = self.standin.tokens.get(header.removeprefix("Bearer ").strip())
+        if token is None or token.expired:
+            self._send(401, {"error": "Invalid credentials in Authorization header"},
+                       {"X-Error-Code": "InvalidCredentials"})  # fmt: skip
+            return None
+        return token
+
+    def _bucket(self, args: dict[str, str]) -> dict[str, Entry] | None:
+        bucket_id = f"{args['owner']}/{args['name']}"
+        bucket = self.standin.buckets.get(bucket_id)
+        if bucket is None:
+            self._send(404, {"error": f"Bucket {bucket_id} not found"},
+                       {"X-Error-Code": "RepoNotFound"})  # fmt: skip
+        return bucket
+
+    def _listed(self, path: str, entry: Entry) -> dict[str, Any]:
+        digest = self.standin.wrong_hash.get(path, entry.xet_hash)
+        return {"type": "file", "path": path, "size": entry.size, "xetHash": digest,
+                "mtime": _iso(entry.mtime), "uploadedAt": _iso(entry.mtime)}  # fmt: skip
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    def do_whoami(self, token: Token, args: Any, query: Any, body: bytes) -> None:
+        self._send(200, {"type": "user", "name": token.user,
+                         "auth": {"type": "access_token",
+                                  "accessToken": {"displayName": "t", "role": token.role}}})  # fmt: skip
+
+    def do_info(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
+        bucket = self._bucket(args)
+        if bucket is not None:
+            self._send(200, {"id": f"{args['owner']}/{args['name']}", "private": True,
+                             "createdAt": _iso(0), "size": sum(e.size for e in bucket.values()),
+                             "totalFiles": len(bucket)})  # fmt: skip
+
+    def do_tree(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
+        bucket = self._bucket(args)
+        if bucket is None:
+            return
+        base = args.get("path", "").strip("/")
+        recursive = query.get("recursive", ["False"])[0].lower() == "true"
+        prefix = base + "/" if base else ""
+        out: list[dict[str, Any]] = []
+        folders: set[str] = set()
+        with self.standin.lock:
+            for path, entry in sorted(bucket.items()):
+                if not path.startswith(prefix):
+                    continue
+                rest = path[len(prefix) :]
+                if recursive or "/" not in rest:
+                    out.append(self._listed(path, entry))
+                else:
+                    folders.add(prefix + rest.split("/", 1)[0])
+        if base and not out and not folders:
+            self._send(404, {"error": f"{base} not found"}, {"X-Error-Code": "EntryNotFound"})
+            return
+        out += [{"type": "directory", "path": f, "uploadedAt": _iso(0)} for f in sorted(folders)]
+        self._send(200, out)
+
+    def do_paths_info(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
+        bucket = self._bucket(args)
+        if bucket is None:
+            return
+        paths = json.loads(body)["paths"]
+        with self.standin.lock:
+            found = [self._listed(p, bucket[p]) for p in paths if p in bucket]
+        self._send(200, found)
+
+    def do_batch(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
+        hub = self.standin
+        bucket = self._bucket(args)
+        if bucket is None:
+            return
+        if token.role != "write":
+            self._send(403, {"error": "You don't have write access to this bucket"})
+            return
+        ops = [json.loads(line) for line in body.splitlines() if line.strip()]
+        if hub._hang and any(o["path"].endswith(hub._hang) for o in ops if o["type"] == "addFile"):
+            hub._hang = None
+            hub.hung.set()
+            hub.release.wait()
+            return  # the connection is dropped: the client never hears back
+        failed = []
+        with hub.lock:
+            for op in ops:
+                if op["type"] == "addFile":
+                    size = _cas_size(hub.cas_dir, op["xetHash"])
+                    if size is None:
+                        failed.append({"path": op["path"], "error": "xet hash not found"})
+                        continue
+                    bucket[op["path"]] = Entry(size, op["xetHash"], int(op.get("mtime") or 0))
+                elif op["type"] == "deleteFile":
+                    bucket.pop(op["path"], None)
+                else:
+                    failed.append({"path": op.get("path"), "error": "not supported here"})
+        self._send(422 if failed and len(failed) == len(ops) else 200, {"failed": failed})
+
+    def do_xet_token(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
+        if self._bucket(args) is None:
+            return
+        if args["kind"] == "write" and token.role != "write":
+            self._send(403, {"error": "You don't have write access to this bucket"})
+            return
+        cas = f"local://{self.standin.cas_dir}"
+        expires = int(time.time()) + 3600
+        self._send(200, {"accessToken": "xet-" + args["kind"], "exp": expires, "casUrl": cas},
+                   {"X-Xet-Cas-Url": cas, "X-Xet-Access-Token": "xet-" + args["kind"],
+                    "X-Xet-Token-Expiration": str(expires)})  # fmt: skip
+
+    def do_resolve(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
+        bucket = self._bucket(args)
+        if bucket is None:
+            return
+        path = args["path"]
+        with self.standin.lock:
+            entry = bucket.get(path)
+        if entry is None:
+            self._send(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"})
+            return
+        refresh = f"{self.standin.url}/api/buckets/{args['owner']}/{args['name']}/xet-read-token"
+        self._send(200, None, {"X-Xet-Hash": entry.xet_hash, "X-Xet-Refresh-Route": refresh,
+                               "X-Linked-Size": str(entry.size)})  # fmt: skip
+
+
+def _iso(stamp: int) -> str:
+    """A time as the Hub writes it (``2026-02-06T17:37:57.000Z``); ``stamp`` in s or ms."""
+    seconds = stamp / 1000 if stamp > 1e11 else stamp
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _cas_size(cas_dir: Path, xet_hash: str) -> int | None:
+    """The size of the file ``xet_hash`` as hf_xet reconstructs it from the CAS, once its bytes
+    hash to ``xet_hash`` again; ``None`` when the CAS does not hold it (an unfinished upload)."""
+    import tempfile
+    import warnings
+
+    from hf_xet import PyXetDownloadInfo, download_files, hash_files
+
+    with tempfile.TemporaryDirectory(dir=cas_dir) as tmp:
+        target = Path(tmp) / "file"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                download_files([PyXetDownloadInfo(str(target), xet_hash, None)],
+                               f"local://{cas_dir}", None, None, None)  # fmt: skip
+        except Exception:
+            return None
+        if not target.exists() or hash_files([str(target)])[0].hash != xet_hash:
+            return None
+        return target.stat().st_size
