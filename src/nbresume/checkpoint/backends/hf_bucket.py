@@ -119,6 +119,10 @@ def xet_hash(path: str | os.PathLike[str]) -> str:
     return str(info.hash)
 
 
+class BucketReadError(OSError):
+    """A file of the bucket could not be read back (a reader skips that checkpoint)."""
+
+
 class _Upload:
     """A staging file being written; uploaded by :meth:`HfBucketStore.close_durably`."""
 
@@ -205,7 +209,7 @@ class HfBucketStore(Backend):
                     time.sleep(_retry_after(exc.response.headers, attempt))
                     continue
                 raise self._error(what, exc, status) from None
-            except FileNotFoundError:
+            except (FileNotFoundError, BucketReadError):
                 raise
             except OSError as exc:
                 raise self._error(what, exc, None) from None
@@ -342,6 +346,10 @@ class HfBucketStore(Backend):
                 )
             except EntryNotFoundError:
                 raise FileNotFoundError(f"{self.url}: no {remote}") from None
+            except RuntimeError as exc:  # hf_xet: the bytes could not be reconstructed
+                raise BucketReadError(
+                    f"{self.url}: {remote} could not be downloaded: {_first_line(exc)}"
+                ) from None
 
         try:
             self._call("download from the bucket", fetch)
