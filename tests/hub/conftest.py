@@ -41,6 +41,12 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubStandIn]
     standin = HubStandIn(cas_dir=cas, tokens={TOKEN: Token("me")}).start()
     standin.create_bucket(BUCKET)
     monkeypatch.setenv("HF_ENDPOINT", standin.url)
+    # Read when huggingface_hub was imported: its own calls (the agent registry) go to the
+    # stand-in too, and what it caches lands in the test's folder.
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", standin.url)
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agent-harnesses.json"))
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)
     try:

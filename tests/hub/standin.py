@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ BUILT_FROM = {"huggingface_hub": "2.4.0", "hf_xet": "1.8.0"}
 
 _BUCKET = r"/api/buckets/(?P<owner>[^/]+)/(?P<name>[^/?]+)"
 ROUTES: list[tuple[str, re.Pattern[str], str]] = [
+    # Asked once a day by huggingface_hub (which AI agent, if any, runs the client); no token.
+    ("GET", re.compile(r"/api/agent-harnesses$"), "agent_harnesses"),
     ("GET", re.compile(r"/api/whoami-v2$"), "whoami"),
     ("GET", re.compile(_BUCKET + r"$"), "info"),
     ("GET", re.compile(_BUCKET + r"/tree(?P<path>/.*)?$"), "tree"),
@@ -165,6 +168,9 @@ class _Handler(BaseHTTPRequestHandler):
                     hub._limits[i] = (name, times - 1, wait)
                     self._send(429, {"error": "rate limited"}, {"Retry-After": str(wait)})
                     return
+        if route == "agent_harnesses":
+            self._send(200, {"standardEnvVars": [], "harnesses": {}})
+            return
         token = self._token()
         if token is None:
             return
@@ -305,22 +311,35 @@ def _iso(stamp: int) -> str:
 
 
 def _cas_size(cas_dir: Path, xet_hash: str) -> int | None:
-    """The size of the file ``xet_hash`` as hf_xet reconstructs it from the CAS, once its bytes
-    hash to ``xet_hash`` again; ``None`` when the CAS does not hold it (an unfinished upload)."""
-    import tempfile
-    import warnings
+    """The size of the file ``xet_hash`` as the CAS's shards register it, when every xorb it
+    is made of is there too; ``None`` when the CAS does not hold it (an unfinished upload).
 
-    from hf_xet import PyXetDownloadInfo, download_files, hash_files
+    Read from the shard files themselves (header, then the file-info section: per file a
+    48-byte header of hash, flags and entry count, then 48-byte entries of xorb hash, flags,
+    unpacked bytes and chunk range), not through hf_xet: its local CAS is locked by the one
+    process that uses it, and that is the client.
+    """
+    store = cas_dir / "xet" / "xorbs"
+    for shard in sorted((store / "shards").glob("*.mdb")):
+        data = shard.read_bytes()
+        at = 48  # tag (32 bytes), version, footer size
+        while at + 48 <= len(data):
+            file_hash, (flags, count) = data[at : at + 32], struct.unpack_from("<II", data, at + 32)
+            if file_hash == b"\xff" * 32:
+                break  # the bookend: end of the file-info section
+            entries = [data[at + 48 * (1 + i) : at + 48 * (2 + i)] for i in range(count)]
+            at += 48 * (1 + count + (count if flags & 0x80000000 else 0) + (flags >> 30 & 1))
+            if _hex(file_hash) != xet_hash:
+                continue
+            size = 0
+            for entry in entries:
+                if not (store / "xorbs" / f"default.{_hex(entry[:32])}").is_file():
+                    return None
+                size += struct.unpack_from("<I", entry, 36)[0]
+            return size
+    return None
 
-    with tempfile.TemporaryDirectory(dir=cas_dir) as tmp:
-        target = Path(tmp) / "file"
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                download_files([PyXetDownloadInfo(str(target), xet_hash, None)],
-                               f"local://{cas_dir}", None, None, None)  # fmt: skip
-        except Exception:
-            return None
-        if not target.exists() or hash_files([str(target)])[0].hash != xet_hash:
-            return None
-        return target.stat().st_size
+
+def _hex(raw: bytes) -> str:
+    """A xet hash as its hex string: four little-endian 64-bit words."""
+    return "".join(raw[i : i + 8][::-1].hex() for i in range(0, 32, 8))

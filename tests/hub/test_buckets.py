@@ -3,6 +3,11 @@ against the stand-in Hub on loopback (:mod:`hub.standin`)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
 from urllib.parse import unquote
 
 import numpy as np
@@ -10,11 +15,13 @@ import pytest
 
 from nbresume.checkpoint.backends import open_store
 from nbresume.checkpoint.backends.hf_bucket import XET_HASHES, HfBucketStore, xet_hash
+from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import StorageError
+from tests.stateful import QUIET
 
 from .conftest import BUCKET, TOKEN, URL
-from .standin import HubStandIn
+from .standin import BUILT_FROM, HubStandIn
 
 
 def weights(seed: int) -> dict[str, dict[str, np.ndarray]]:
@@ -125,3 +132,76 @@ def test_bucket_retention_frees_the_bucket_and_keeps_the_last_remotely_verified(
     assert store.prune(keep=1) == []
     names = {p.split("/", 1)[0] for p in hub.files(BUCKET)}
     assert {second.name, third.name} <= names
+
+
+#: A process that saves step 1, then step 2 (whose upload the stand-in holds until it is killed).
+SAVE_TWO = """
+import sys
+import numpy as np
+from nbresume.checkpoint.store import CheckpointStore
+
+store = CheckpointStore(sys.argv[1], keep=None)
+for step in (1, 2):
+    store.save(step, tensors={"model": {"w": np.full((256, 256), step, np.float32)}})
+    print("saved", step, flush=True)
+"""
+
+
+def test_bucket_kill_during_upload_leaves_the_earlier_checkpoint_newest_and_confirmed(
+    hub: HubStandIn, tmp_path: Path
+) -> None:
+    hub.hang_batch(f"{step_dirname(2)}/model.safetensors")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # what a killed process leaves stays here
+    child = subprocess.Popen([sys.executable, "-c", SAVE_TWO, URL], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        while not hub.hung.wait(0.2) and child.poll() is None:
+            pass  # until step 2's upload hangs, or the child ended without getting there
+    finally:
+        child.kill()
+        output = child.communicate()[0].decode()
+        hub.release.set()
+    assert hub.hung.is_set(), output
+    assert "saved 1" in output and "saved 2" not in output, output
+    store = CheckpointStore(URL, keep=None)
+    assert [info.step for info in store.list()] == [1]  # step 2 has no manifest: not committed
+    newest = store.latest()
+    assert newest is not None
+    assert store.backend.durability(newest.name, newest.manifest).saved
+    assert store.load().step == 1
+
+
+def test_bucket_checkpointer_resumes_on_a_fresh_machine(hub: HubStandIn) -> None:
+    torch = pytest.importorskip("torch")
+    from nbresume import Checkpointer
+
+    model = torch.nn.Linear(4, 2)
+    with Checkpointer(URL, model=model, **QUIET) as ckpt:
+        ckpt.save(5, block=True)
+        confirmed = ckpt.wait(durable=True, timeout=60)
+    assert confirmed is not None and "xet_hash" in confirmed.how
+    fresh = torch.nn.Linear(4, 2)
+    with Checkpointer(URL, model=fresh, **QUIET) as again:
+        assert again.restore() == 5
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value)
+
+
+def test_bucket_standin_knows_every_endpoint_the_installed_client_calls(hub: HubStandIn) -> None:
+    """Fails when the installed huggingface_hub or hf_xet calls the Hub in a way the stand-in
+    was not built for (it was built from the versions in BUILT_FROM)."""
+    store = CheckpointStore(URL, keep=1)
+    for step in (1, 2):
+        info = store.save(step, tensors=weights(step))
+    fresh = CheckpointStore(URL, keep=1)
+    assert all(result.ok for result in fresh.verify().results)
+    assert fresh.backend.confirm(info.name, info.manifest)[0]
+    fresh.backend.replace_small("lease.json", b"{}")
+    assert fresh.backend.read_small("lease.json") == b"{}"
+    fresh.backend.remove_small("lease.json")
+    fresh.backend.delete(info.name)
+    installed = {name: importlib.metadata.version(name) for name in BUILT_FROM}
+    assert hub.unknown == [], (
+        f"the client ({installed}) called endpoints the stand-in (built from {BUILT_FROM}) "
+        f"does not know: {hub.unknown}"
+    )
