@@ -49,8 +49,8 @@ ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("POST", re.compile(_BUCKET + r"/batch$"), "batch"),
     ("GET", re.compile(_BUCKET + r"/xet-(?P<kind>read|write)-token$"), "xet_token"),
     ("HEAD", re.compile(r"/buckets/(?P<owner>[^/]+)/(?P<name>[^/]+)/resolve/(?P<path>.+)$"),
-     "resolve"),  # fmt: skip
-]
+     "resolve"),
+]  # fmt: skip
 
 
 @dataclass
@@ -153,14 +153,13 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.standin
         parts = urlsplit(self.path)
         body = self._body()
-        for method, pattern, route in ROUTES:
-            match = pattern.match(parts.path)
-            if match and method == self.command:
-                break
-        else:
+        found = [(route, match) for method, pattern, route in ROUTES
+                 if method == self.command and (match := pattern.match(parts.path))]  # fmt: skip
+        if not found:
             hub.unknown.append(f"{self.command} {parts.path}")
             self._send(404, {"error": f"unknown endpoint {self.command} {parts.path}"})
             return
+        route, match = found[0]
         hub.calls.append((route, parts.path))
         with hub.lock:
             for i, (name, times, wait) in enumerate(hub._limits):
@@ -204,9 +203,9 @@ class _Handler(BaseHTTPRequestHandler):
     # -- endpoints ---------------------------------------------------------------------------
 
     def do_whoami(self, token: Token, args: Any, query: Any, body: bytes) -> None:
-        self._send(200, {"type": "user", "name": token.user,
-                         "auth": {"type": "access_token",
-                                  "accessToken": {"displayName": "t", "role": token.role}}})  # fmt: skip
+        access = {"displayName": "t", "role": token.role}
+        auth = {"type": "access_token", "accessToken": access}
+        self._send(200, {"type": "user", "name": token.user, "auth": auth})
 
     def do_info(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
         bucket = self._bucket(args)
@@ -307,7 +306,9 @@ class _Handler(BaseHTTPRequestHandler):
 def _iso(stamp: int) -> str:
     """A time as the Hub writes it (``2026-02-06T17:37:57.000Z``); ``stamp`` in s or ms."""
     seconds = stamp / 1000 if stamp > 1e11 else stamp
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return (
+        datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    )
 
 
 def _cas_size(cas_dir: Path, xet_hash: str) -> int | None:

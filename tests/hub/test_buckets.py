@@ -12,13 +12,13 @@ from urllib.parse import unquote
 
 import numpy as np
 import pytest
+from tests.stateful import QUIET
 
 from nbresume.checkpoint.backends import open_store
-from nbresume.checkpoint.backends.hf_bucket import XET_HASHES, HfBucketStore, xet_hash
+from nbresume.checkpoint.backends.hf_bucket import XET_HASHES, HfBucketStore
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import StorageError
-from tests.stateful import QUIET
 
 from .conftest import BUCKET, TOKEN, URL
 from .standin import BUILT_FROM, HubStandIn
@@ -60,7 +60,8 @@ def test_bucket_remote_hash_differing_is_not_durable_and_says_which_file(hub: Hu
     hub.wrong_hash[remote] = "0" * 64
     confirmed, how = open_store(URL).confirm(info.name, info.manifest)
     assert not confirmed
-    assert "model.safetensors" in how and "xet_hash differs" in how
+    assert "model.safetensors" in how
+    assert "xet_hash differs" in how
 
 
 def test_bucket_rate_limit_429_waits_as_retry_after_asks(hub: HubStandIn) -> None:
@@ -82,7 +83,9 @@ def test_bucket_expired_token_is_one_clear_error_before_anything_is_written(
     with pytest.raises(StorageError) as caught:
         store.begin("step-00000001")
     text = str(caught.value)
-    assert "401" in text and "HF_TOKEN" in text and TOKEN not in text
+    assert "401" in text
+    assert "HF_TOKEN" in text
+    assert TOKEN not in text
     assert hub.files(BUCKET) == {}
 
 
@@ -112,7 +115,8 @@ def test_bucket_on_kaggle_without_internet_says_to_turn_it_on(
     monkeypatch.setenv("HF_ENDPOINT", url)
     with pytest.raises(StorageError) as caught:
         open_store(URL).begin("step-00000001")
-    assert "Internet on" in str(caught.value) and "--kaggle-dataset" in str(caught.value)
+    assert "Internet on" in str(caught.value)
+    assert "--kaggle-dataset" in str(caught.value)
 
 
 def test_bucket_retention_frees_the_bucket_and_keeps_the_last_remotely_verified(
@@ -162,7 +166,8 @@ def test_bucket_kill_during_upload_leaves_the_earlier_checkpoint_newest_and_conf
         output = child.communicate()[0].decode()
         hub.release.set()
     assert hub.hung.is_set(), output
-    assert "saved 1" in output and "saved 2" not in output, output
+    assert "saved 1" in output, output
+    assert "saved 2" not in output, output
     store = CheckpointStore(URL, keep=None)
     assert [info.step for info in store.list()] == [1]  # step 2 has no manifest: not committed
     newest = store.latest()
@@ -179,7 +184,8 @@ def test_bucket_checkpointer_resumes_on_a_fresh_machine(hub: HubStandIn) -> None
     with Checkpointer(URL, model=model, **QUIET) as ckpt:
         ckpt.save(5, block=True)
         confirmed = ckpt.wait(durable=True, timeout=60)
-    assert confirmed is not None and "xet_hash" in confirmed.how
+    assert confirmed is not None
+    assert "xet_hash" in confirmed.how
     fresh = torch.nn.Linear(4, 2)
     with Checkpointer(URL, model=fresh, **QUIET) as again:
         assert again.restore() == 5

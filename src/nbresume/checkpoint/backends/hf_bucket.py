@@ -63,13 +63,13 @@ XET_HASHES = ".nbresume-xet-hashes.json"
 RATE_LIMIT_ATTEMPTS = 5
 RATE_LIMIT_MAX_WAIT_S = 60.0
 
-TOKEN_FIX = (
+AUTH_FIX = (
     "create a token with write access at https://huggingface.co/settings/tokens, then run "
     "`hf auth login` or set HF_TOKEN (on Colab or Kaggle: a secret named HF_TOKEN)"
 )
 KAGGLE_OFFLINE_FIX = (
     "turn Internet on in the notebook's settings (or `kaggle kernels push` with internet "
-    'enabled), or keep checkpoints in /kaggle/working and carry them with '
+    "enabled), or keep checkpoints in /kaggle/working and carry them with "
     "`nbresume push --kaggle-dataset`"
 )
 
@@ -103,7 +103,7 @@ def find_token(explicit: str | None = None) -> str | None:
         return token
     if os.environ.get("KAGGLE_KERNEL_RUN_TYPE"):
         with contextlib.suppress(Exception):  # no secret of that name, or secrets not attached
-            from kaggle_secrets import UserSecretsClient  # type: ignore[import-not-found]
+            from kaggle_secrets import UserSecretsClient
 
             secret = UserSecretsClient().get_secret("HF_TOKEN")
             if isinstance(secret, str) and secret:
@@ -149,9 +149,7 @@ class HfBucketStore(Backend):
     #: Another machine renews its writer lease through the Hub: allow for slow round trips.
     lease_expiry_s = 180.0
 
-    def __init__(
-        self, url: str, *, token: str | None = None, endpoint: str | None = None
-    ) -> None:
+    def __init__(self, url: str, *, token: str | None = None, endpoint: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.bucket_id, self.prefix = parse_url(self.url)
         try:
@@ -225,15 +223,17 @@ class HfBucketStore(Backend):
         if status == 401:
             return StorageError(
                 f"the Hub refused the token while it tried to {what} (401: expired, revoked or "
-                "not a token)" if self._token else f"no Hugging Face token was found to {what}",
+                "not a token)"
+                if self._token
+                else f"no Hugging Face token was found to {what}",
                 where=where,
-                fix=TOKEN_FIX,
+                fix=AUTH_FIX,
             )
         if status == 403:
             return StorageError(
                 f"the token may not {what} (403: a read-only token, or no access to the bucket)",
                 where=where,
-                fix=TOKEN_FIX,
+                fix=AUTH_FIX,
             )
         if status == 404:
             return StorageError(
@@ -262,9 +262,9 @@ class HfBucketStore(Backend):
             raise StorageError(
                 "no Hugging Face token was found, and writing to a bucket needs one",
                 where=self.url,
-                fix=TOKEN_FIX,
+                fix=AUTH_FIX,
             )
-        from huggingface_hub.utils import get_session, hf_raise_for_status
+        from huggingface_hub import get_session, hf_raise_for_status
 
         url = f"{self.api.endpoint}/api/buckets/{self.bucket_id}/xet-write-token"
         headers = self.api._build_hf_headers(token=self._token)
