@@ -211,3 +211,28 @@ def test_bucket_standin_knows_every_endpoint_the_installed_client_calls(hub: Hub
         f"the client ({installed}) called endpoints the stand-in (built from {BUILT_FROM}) "
         f"does not know: {hub.unknown}"
     )
+
+
+def test_bucket_commands_ls_verify_and_verify_by_hashes(
+    hub: HubStandIn, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nbresume.cli import main
+
+    store = CheckpointStore(URL, keep=None)
+    store.save(1, tensors=weights(1))
+    second = store.save(2, tensors=weights(2))
+    assert main(["ls", URL]) == 0
+    assert "2 checkpoint(s) in hf://buckets/me/run1" in capsys.readouterr().out
+    assert main(["verify", URL]) == 0
+    hub.calls.clear()
+    assert main(["verify", "--hashes", URL]) == 0
+    assert "2 of 2 checkpoint(s) confirmed by the Hugging Face bucket" in capsys.readouterr().out
+    assert not any(p.endswith(".safetensors") for r, p in hub.calls if r == "resolve")
+    hub.wrong_hash[f"{second.name}/model.safetensors"] = "0" * 64
+    assert main(["verify", "--hashes", URL]) == 1
+    out = capsys.readouterr().out
+    assert "NOT CONFIRMED step 2" in out
+    assert "model.safetensors (other bytes: the bucket's xet_hash differs)" in out
+    assert main(["prune", "--keep", "1", URL]) == 0
+    # Step 2 is not confirmed by the bucket: step 1, the newest that is, stays.
+    assert {p.split("/", 1)[0] for p in hub.files(BUCKET)} >= {step_dirname(1), second.name}
