@@ -236,3 +236,20 @@ def test_bucket_commands_ls_verify_and_verify_by_hashes(
     assert main(["prune", "--keep", "1", URL]) == 0
     # Step 2 is not confirmed by the bucket: step 1, the newest that is, stays.
     assert {p.split("/", 1)[0] for p in hub.files(BUCKET)} >= {step_dirname(1), second.name}
+
+
+def test_bucket_as_the_durable_folder_of_init_is_checked_writable_before_training(
+    hub: HubStandIn,
+) -> None:
+    import nbresume
+    from nbresume.errors import PreflightError
+
+    run = nbresume.init("run1", dir=URL, quiet=True, strict=True)
+    assert run.dir == URL
+    assert not run.report.failures
+    hub.tokens[TOKEN].role = "read"
+    with pytest.raises(PreflightError) as caught:
+        nbresume.init("run1", dir=URL, quiet=True, strict=True)
+    assert "403: a read-only token" in str(caught.value)
+    assert TOKEN not in str(caught.value)
+    assert hub.files(BUCKET) == {}
