@@ -4,6 +4,7 @@ against the stand-in Hub on loopback (:mod:`hub.standin`)."""
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import subprocess
 import sys
@@ -176,10 +177,13 @@ def test_bucket_kill_during_upload_leaves_the_earlier_checkpoint_newest_and_conf
     assert store.load().step == 1
 
 
-def test_bucket_checkpointer_resumes_on_a_fresh_machine(hub: HubStandIn) -> None:
+def test_bucket_checkpointer_resumes_on_a_fresh_machine_and_never_writes_the_token(
+    hub: HubStandIn, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     torch = pytest.importorskip("torch")
     from nbresume import Checkpointer
 
+    caplog.set_level(logging.DEBUG)
     model = torch.nn.Linear(4, 2)
     with Checkpointer(URL, model=model, **QUIET) as ckpt:
         ckpt.save(5, block=True)
@@ -191,6 +195,17 @@ def test_bucket_checkpointer_resumes_on_a_fresh_machine(hub: HubStandIn) -> None
         assert again.restore() == 5
     for name, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value)
+    store = open_store(URL)
+    written = b"".join(
+        bytes(store.read_bytes(*path.split("/", 1)))
+        if "/" in path
+        else store.read_small(path) or b""
+        for path in hub.files(BUCKET)  # the checkpoints' files, and the writer lease
+    )
+    assert written  # every file of the checkpoints, as the bucket serves it
+    said = capfd.readouterr()
+    for text in (written.decode("latin-1"), said.out, said.err, caplog.text):
+        assert TOKEN not in text
 
 
 def test_bucket_standin_knows_every_endpoint_the_installed_client_calls(hub: HubStandIn) -> None:
