@@ -161,12 +161,12 @@ class HfBucketStore(Backend):
                 fix='pip install "nbresume[buckets]" (huggingface_hub and hf_xet)',
             ) from None
         self._token = find_token(token)
+        # huggingface_hub reads HF_ENDPOINT once, when it is imported: read it again here.
         self.api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None)
         self._staging = tempfile.TemporaryDirectory(prefix="nbresume-bucket-")
         self._hashes: dict[str, dict[str, tuple[int, str]]] = {}
         self._lock = threading.Lock()
         self._writable = False
-        self._checked = False
 
     @classmethod
     def from_location(
@@ -293,18 +293,23 @@ class HfBucketStore(Backend):
         return self._call("list the bucket", ask)
 
     def _tree_all(self, path: str) -> list[str]:
-        def ask() -> list[str]:
-            return [
-                item.path
-                for item in self.api.list_bucket_tree(
-                    self.bucket_id, path, recursive=True, token=self._token
-                )
-                if item.type == "file"
-            ]
+        """Every file below the folder ``path`` (none when there is no such folder)."""
+        from huggingface_hub.errors import HfHubHTTPError
 
-        with contextlib.suppress(StorageError):
-            return self._call("list the bucket", ask)
-        return []
+        def ask() -> list[str]:
+            try:
+                items = list(
+                    self.api.list_bucket_tree(
+                        self.bucket_id, path, recursive=True, token=self._token
+                    )
+                )
+            except HfHubHTTPError as exc:
+                if exc.response is not None and exc.response.status_code == 404:
+                    return []
+                raise
+            return [item.path for item in items if item.type == "file"]
+
+        return self._call("list the bucket", ask)
 
     def _paths_info(self, paths: list[str]) -> dict[str, tuple[int, str]]:
         def ask() -> dict[str, tuple[int, str]]:
