@@ -16,7 +16,7 @@ import pytest
 from tests.stateful import QUIET
 
 from nbresume.checkpoint.backends import open_store
-from nbresume.checkpoint.backends.hf_bucket import XET_HASHES, HfBucketStore
+from nbresume.checkpoint.backends.hf_bucket import XET_RECORDS, HfBucketStore
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import StorageError
@@ -35,8 +35,9 @@ def test_bucket_save_lands_with_the_local_xet_hashes_and_loads_back(hub: HubStan
     assert isinstance(store.backend, HfBucketStore)
     info = store.save(1, tensors=weights(1), data={"loop": {"step": 1}})
     files = hub.files(BUCKET)
-    names = {p.rsplit("/", 1)[-1] for p in files}
-    assert {"model.safetensors", "loop.json", "manifest.json", XET_HASHES} <= names
+    assert {f"{info.name}/{n}" for n in ("model.safetensors", "loop.json", "manifest.json")} | {
+        f"{info.name}/{XET_RECORDS}/{n}.json" for n in ("model.safetensors", "loop.json")
+    } == set(files)
     confirmed, how = store.backend.confirm(info.name, info.manifest)
     assert confirmed, how
     loaded = store.load()
@@ -50,8 +51,12 @@ def test_bucket_verify_by_hashes_downloads_no_payload_file(hub: HubStandIn) -> N
     hub.calls.clear()
     state = fresh.durability(info.name, info.manifest)
     assert state.saved, state
-    downloaded = {unquote(p).rsplit("/", 1)[-1] for route, p in hub.calls if route == "resolve"}
-    assert downloaded == {XET_HASHES, "manifest.json"}  # never model.safetensors
+    downloaded = {unquote(p).split("/", 5)[-1] for route, p in hub.calls if route == "resolve"}
+    # The manifest and the record of the one payload file: never model.safetensors itself.
+    assert downloaded == {
+        f"{info.name}/{XET_RECORDS}/model.safetensors.json",
+        f"{info.name}/manifest.json",
+    }
 
 
 def test_bucket_remote_hash_differing_is_not_durable_and_says_which_file(hub: HubStandIn) -> None:

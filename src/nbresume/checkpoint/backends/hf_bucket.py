@@ -4,10 +4,10 @@ Protocol (:class:`~nbresume.checkpoint.backends.base.Backend`): a bucket is an o
 reached through the official client (``huggingface_hub`` 2.x, whose uploads go through
 ``hf_xet``). Each file of a checkpoint is written to a local staging file, hashed with
 ``hf_xet.hash_files`` (the bucket's own content hash, ``xet_hash``) and uploaded when it is
-closed; the manifest goes last and is the commit, as on other object stores. Before the
-manifest, a small sidecar (:data:`XET_HASHES`, hidden from listings) records each file's size and
-``xet_hash`` as computed here, so that any machine can later ask the bucket whether it holds
-exactly those bytes without downloading them.
+closed, together with a small record of its size and ``xet_hash`` as computed here (in the
+checkpoint's hidden subfolder :data:`XET_RECORDS`), so that any process on any machine (another
+rank of a sharded save, a later session) can ask the bucket whether it holds exactly those bytes
+without downloading them. The manifest goes last and is the commit, as on other object stores.
 
 A checkpoint is *saved* (:meth:`HfBucketStore.durability`) only when the bucket's listing
 reports every file, the manifest included, with the local size and ``xet_hash``: the twin of
@@ -55,9 +55,10 @@ log = logging.getLogger("nbresume")
 
 #: The URL prefix of a bucket.
 SCHEME = "hf://buckets/"
-#: The sidecar in each checkpoint folder: {file name: [size, xet_hash]}, uploaded before the
-#: manifest. Hidden from :meth:`HfBucketStore.list_files`, removed with its folder.
-XET_HASHES = ".nbresume-xet-hashes.json"
+#: The subfolder of each checkpoint folder that holds, per file, ``NAME.json``:
+#: ``{"size": ..., "xet_hash": ...}`` as computed where the file was written, uploaded with the
+#: file. Not a file of the folder (:meth:`HfBucketStore.list_files`); removed with the folder.
+XET_RECORDS = ".nbresume-xet"
 #: Attempts at a call the Hub answers with 429 (beyond the client's own retries), and the most
 #: seconds of one wait that ``Retry-After`` may ask for.
 RATE_LIMIT_ATTEMPTS = 5
@@ -377,7 +378,7 @@ class HfBucketStore(Backend):
         return [
             item.path.rsplit("/", 1)[-1]
             for item in self._tree(self._remote(folder))
-            if item.type == "file" and item.path.rsplit("/", 1)[-1] != XET_HASHES
+            if item.type == "file"
         ]
 
     def begin(self, final: str) -> str:
@@ -395,23 +396,22 @@ class HfBucketStore(Backend):
         return handle
 
     def close_durably(self, handle: IO[bytes]) -> None:
-        """Upload the staged file; for the manifest, the sidecar of hashes first."""
+        """Upload the staged file, with the record of its size and ``xet_hash``."""
         handle.close()
         upload: _Upload = handle._nbresume_upload  # type: ignore[attr-defined]
         try:
             size, digest = upload.path.stat().st_size, xet_hash(upload.path)
-            items: list[tuple[str | Path | bytes, str]] = []
+            items: list[tuple[str | Path | bytes, str]] = [
+                (str(upload.path), self._remote(upload.folder, upload.name))
+            ]
+            if upload.name != MANIFEST_NAME:  # the manifest's own is taken from a download
+                record = json.dumps({"size": size, "xet_hash": digest}).encode()
+                items.append(
+                    (record, self._remote(upload.folder, XET_RECORDS, upload.name + ".json"))
+                )
             with self._lock:
-                hashes = self._hashes.setdefault(upload.folder, {})
-                if upload.name == MANIFEST_NAME:
-                    sidecar = {n: list(v) for n, v in sorted(hashes.items())}
-                    items.append(
-                        (json.dumps(sidecar).encode(), self._remote(upload.folder, XET_HASHES))
-                    )
-                hashes[upload.name] = (size, digest)
-            if items:
-                self._upload(items)  # the sidecar lands before the manifest commits
-            self._upload([(str(upload.path), self._remote(upload.folder, upload.name))])
+                self._hashes.setdefault(upload.folder, {})[upload.name] = (size, digest)
+            self._upload(items)
         finally:
             upload.path.unlink(missing_ok=True)
 
@@ -456,37 +456,33 @@ class HfBucketStore(Backend):
 
     # -- what the bucket holds ---------------------------------------------------------------
 
-    def expected(self, folder: str) -> dict[str, tuple[int, str]]:
-        """{file name: (size, xet_hash)} the bucket must report for ``folder``: as hashed here
-        when this process wrote it; else the sidecar's, and the manifest's hash computed from
-        a downloaded copy of it."""
+    def expected(self, folder: str, manifest: Manifest) -> dict[str, tuple[int, str]]:
+        """{file name: (size, xet_hash)} the bucket must report for the files of ``manifest``
+        and the manifest itself: as hashed here where this process wrote the file; else from
+        the file's record (:data:`XET_RECORDS`), and for the manifest from a downloaded copy.
+        Raises FileNotFoundError when a record is not in the bucket."""
         with self._lock:
-            known = dict(self._hashes.get(folder, {}))
-        if MANIFEST_NAME in known:
-            return known
-        with self.open_read(folder, XET_HASHES) as handle:
-            sidecar = json.loads(handle.read(SMALL_FILE_LIMIT * 16))
-        out = {str(n): (int(v[0]), str(v[1])) for n, v in sidecar.items()}
-        with self.open_read(folder, MANIFEST_NAME) as handle:
-            out[MANIFEST_NAME] = (os.fstat(handle.fileno()).st_size, _hash_handle(handle))
-        return out
+            out = dict(self._hashes.get(folder, {}))
+        for name in sorted(set(manifest.files) - set(out)):
+            with self.open_read(folder, f"{XET_RECORDS}/{name}.json") as handle:
+                record = json.loads(handle.read(SMALL_FILE_LIMIT))
+            out[name] = (int(record["size"]), str(record["xet_hash"]))
+        if MANIFEST_NAME not in out:
+            with self.open_read(folder, MANIFEST_NAME) as handle:
+                out[MANIFEST_NAME] = (os.fstat(handle.fileno()).st_size, _hash_handle(handle))
+        return {n: v for n, v in out.items() if n in manifest.files or n == MANIFEST_NAME}
 
     def durability(self, folder: str, manifest: Manifest) -> Durability:
         """``saved`` only when the bucket reports every file of the manifest, and the manifest
-        itself, with the local size and ``xet_hash`` (no file is downloaded but the manifest
-        and the sidecar, when another process wrote the checkpoint)."""
+        itself, with the size and ``xet_hash`` computed where each was written (no file is
+        downloaded but the manifest and the records, for files another process wrote)."""
         where = self.child(folder)
         try:
-            expected = self.expected(folder)
-        except FileNotFoundError:
-            return Durability(MISSING, f"{where}: its list of xet hashes is not in the bucket")
+            expected = self.expected(folder, manifest)
+        except FileNotFoundError as exc:
+            return Durability(MISSING, f"{where}: not in the bucket yet ({_first_line(exc)})")
         except (StorageError, OSError, ValueError) as exc:
             return Durability(FAILED, f"cannot read what {where} should hold: {_first_line(exc)}")
-        unlisted = [n for n in manifest.files if n not in expected]
-        if unlisted:
-            return Durability(
-                FAILED, f"{where}: no xet hash was recorded for {', '.join(sorted(unlisted))}"
-            )
         try:
             remote = self._paths_info([self._remote(folder, n) for n in sorted(expected)])
         except StorageError as exc:
