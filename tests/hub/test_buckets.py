@@ -273,3 +273,19 @@ def test_bucket_as_the_durable_folder_of_init_is_checked_writable_before_trainin
     assert "403: a read-only token" in str(caught.value)
     assert TOKEN not in str(caught.value)
     assert hub.files(BUCKET) == {}
+
+
+def test_bucket_pull_copies_every_checkpoint_home_verified(
+    hub: HubStandIn, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nbresume.cli import main
+
+    store = CheckpointStore(URL, keep=None)
+    for step in (1, 2):
+        store.save(step, tensors=weights(step))
+    assert main(["pull", URL, str(tmp_path / "home")]) == 0
+    assert "OK 2/2 verified" in capsys.readouterr().out
+    home = CheckpointStore(tmp_path / "home", keep=None)
+    assert [info.step for info in home.list()] == [1, 2]
+    assert all(result.ok for result in home.verify().results)
+    assert not list((tmp_path / "home").rglob(".nbresume-xet*"))  # the records stay behind
