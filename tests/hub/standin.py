@@ -215,26 +215,26 @@ class _Handler(BaseHTTPRequestHandler):
                              "totalFiles": len(bucket)})  # fmt: skip
 
     def do_tree(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
+        """As the Hub: the prefix is matched as a string ("run1" finds "run10/..." too, as
+        huggingface_hub's own listings note); without ``recursive``, files and folders one
+        level below the prefix's last slash; a prefix that matches nothing lists as empty."""
         bucket = self._bucket(args)
         if bucket is None:
             return
-        base = args.get("path", "").strip("/")
+        prefix = args.get("path", "").lstrip("/")
+        base = prefix[: prefix.rfind("/") + 1]  # the folder the prefix names entries of
         recursive = query.get("recursive", ["False"])[0].lower() == "true"
-        prefix = base + "/" if base else ""
         out: list[dict[str, Any]] = []
         folders: set[str] = set()
         with self.standin.lock:
             for path, entry in sorted(bucket.items()):
                 if not path.startswith(prefix):
                     continue
-                rest = path[len(prefix) :]
+                rest = path[len(base) :]
                 if recursive or "/" not in rest:
                     out.append(self._listed(path, entry))
                 else:
-                    folders.add(prefix + rest.split("/", 1)[0])
-        if base and not out and not folders:
-            self._send(404, {"error": f"{base} not found"}, {"X-Error-Code": "EntryNotFound"})
-            return
+                    folders.add(base + rest.split("/", 1)[0])
         out += [{"type": "directory", "path": f, "uploadedAt": _iso(0)} for f in sorted(folders)]
         self._send(200, out)
 

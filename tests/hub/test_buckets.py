@@ -289,3 +289,15 @@ def test_bucket_pull_copies_every_checkpoint_home_verified(
     assert [info.step for info in home.list()] == [1, 2]
     assert all(result.ok for result in home.verify().results)
     assert not list((tmp_path / "home").rglob(".nbresume-xet*"))  # the records stay behind
+
+
+def test_bucket_runs_whose_names_share_a_prefix_stay_apart(hub: HubStandIn) -> None:
+    """The Hub matches a listing's prefix as a string: exp1 must not see, nor delete, exp10."""
+    other = CheckpointStore(f"{URL}/exp10", keep=None)
+    other.save(1, tensors=weights(10))
+    store = CheckpointStore(f"{URL}/exp1", keep=1)
+    store.save(1, tensors=weights(1))
+    store.save(2, tensors=weights(2))  # retention deletes exp1's step 1 only
+    assert [info.step for info in store.list()] == [2]
+    assert [info.step for info in other.list()] == [1]
+    assert other.load().step == 1

@@ -276,41 +276,37 @@ class HfBucketStore(Backend):
         self._call("write to the bucket", ask)
         self._writable = True
 
-    def _tree(self, path: str) -> list[Any]:
+    def _listing(self, path: str, recursive: bool) -> list[Any]:
+        """The entries below the folder ``path`` (the root when empty): directly below it, or
+        all files at any depth. The Hub matches a listing's prefix as a string ("run1" also
+        finds "run10/..."): the folder is asked for with its slash, and what is not below it
+        is dropped. A folder that is not there lists as empty."""
         from huggingface_hub.errors import HfHubHTTPError
+
+        below = path + "/" if path else ""
 
         def ask() -> list[Any]:
             try:
-                return list(
-                    self.api.list_bucket_tree(
-                        self.bucket_id, path or None, recursive=False, token=self._token
-                    )
+                items = self.api.list_bucket_tree(
+                    self.bucket_id, below or None, recursive=recursive, token=self._token
                 )
+                return [item for item in items if item.path.startswith(below)]
             except HfHubHTTPError as exc:
                 if exc.response is not None and exc.response.status_code == 404 and path:
-                    return []  # no such folder
-                raise
-
-        return self._call("list the bucket", ask)
-
-    def _tree_all(self, path: str) -> list[str]:
-        """Every file below the folder ``path`` (none when there is no such folder)."""
-        from huggingface_hub.errors import HfHubHTTPError
-
-        def ask() -> list[str]:
-            try:
-                items = list(
-                    self.api.list_bucket_tree(
-                        self.bucket_id, path, recursive=True, token=self._token
-                    )
-                )
-            except HfHubHTTPError as exc:
-                if exc.response is not None and exc.response.status_code == 404:
                     return []
                 raise
-            return [item.path for item in items if item.type == "file"]
 
-        return self._call("list the bucket", ask)
+        found = self._call("list the bucket", ask)
+        if recursive:
+            return [item for item in found if item.type == "file"]
+        return [item for item in found if "/" not in item.path[len(below) :].strip("/")]
+
+    def _tree(self, path: str) -> list[Any]:
+        return self._listing(path, recursive=False)
+
+    def _tree_all(self, path: str) -> list[str]:
+        """Every file below the folder ``path``, at any depth."""
+        return [item.path for item in self._listing(path, recursive=True)]
 
     def _paths_info(self, paths: list[str]) -> dict[str, tuple[int, str]]:
         def ask() -> dict[str, tuple[int, str]]:
