@@ -105,8 +105,10 @@ def test_bucket_read_only_token_is_refused_before_anything_is_written(hub: HubSt
 def test_bucket_missing_token_names_where_to_put_one(
     hub: HubStandIn, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
+    from huggingface_hub import constants
+
     monkeypatch.delenv("HF_TOKEN")
-    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))  # no `hf auth login` file
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "none"))  # no `hf auth login`
     with pytest.raises(StorageError, match="no Hugging Face token") as caught:
         open_store(URL).begin("step-00000001")
     assert "hf auth login" in str(caught.value)
@@ -301,3 +303,30 @@ def test_bucket_runs_whose_names_share_a_prefix_stay_apart(hub: HubStandIn) -> N
     assert [info.step for info in store.list()] == [2]
     assert [info.step for info in other.list()] == [1]
     assert other.load().step == 1
+
+
+def test_bucket_token_from_kaggle_secrets(
+    hub: HubStandIn, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On Kaggle, with no HF_TOKEN and no login file, the notebook's secret HF_TOKEN is used
+    (Kaggle's secrets service is the one thing simulated: a module of its client's name)."""
+    import types
+
+    from huggingface_hub import constants
+
+    asked: list[str] = []
+
+    class UserSecretsClient:
+        def get_secret(self, label: str) -> str:
+            asked.append(label)
+            return TOKEN
+
+    monkeypatch.setitem(sys.modules, "kaggle_secrets", types.SimpleNamespace(
+        UserSecretsClient=UserSecretsClient))  # fmt: skip
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "none"))
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Batch")
+    CheckpointStore(URL, keep=None).save(1, tensors=weights(1))
+    assert asked
+    assert set(asked) == {"HF_TOKEN"}
+    assert CheckpointStore(URL, keep=None).load().step == 1
