@@ -5,11 +5,15 @@ Built from what ``huggingface_hub`` and ``hf_xet`` send (read from their source,
 the ndjson batch of adds and deletes, the resolve HEAD a download starts with) and the xet token
 endpoints, which hand the client its content-addressed store (CAS).
 
-The CAS itself is not a stand-in of ours: the token endpoints answer with a ``local://`` CAS
-URL, which the real ``hf_xet`` serves itself (its own simulation client, writing xorbs and
-shards to a folder). So the bytes really go through hf_xet's chunking, xorbs and shards, and a
-download really reconstructs them from there. What is not exercised is hf_xet's HTTP CAS
-protocol (xorb grants, xorb and shard uploads, reconstruction queries): see the storage docs.
+The CAS (content-addressed store) is stood in for over HTTP too, at ``/cas``: the xet token
+endpoints hand hf_xet that URL and a token for it. It takes the calls hf_xet makes to upload
+(a global-dedup query, answered "none"; a xorb grant, answered 404, on which hf_xet uploads the
+xorb directly; the xorb; the shard, on v2 then v1) and to download (a reconstruction, on v2
+then v1: the file's terms and, for each, a byte range of its xorb to fetch; the range itself).
+It keeps xorbs and shards as hf_xet sent them, in ``cas_dir``, and reads from the shards which
+xorb chunks make a file, and from the xorbs' chunk headers where each chunk's bytes are;
+hf_xet itself decompresses them. Not stood in for: the xorb-grant upload route and the v2
+shard and reconstruction APIs (hf_xet falls back from each), global deduplication.
 
 A file the client adds is recorded with the ``xetHash`` the client declares, as the Hub does;
 an add whose hash is not in the CAS (its upload did not finish) is reported failed, as the Hub
@@ -50,7 +54,19 @@ ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(_BUCKET + r"/xet-(?P<kind>read|write)-token$"), "xet_token"),
     ("HEAD", re.compile(r"/buckets/(?P<owner>[^/]+)/(?P<name>[^/]+)/resolve/(?P<path>.+)$"),
      "resolve"),
+    # The content-addressed store (CAS) that the xet token endpoints point hf_xet to.
+    ("GET", re.compile(r"/cas/v1/chunks/default/(?P<hash>[0-9a-f]{64})$"), "cas_dedup"),
+    ("POST", re.compile(r"/cas/v1/xorb-grants/default/(?P<hash>[0-9a-f]{64})$"), "cas_grant"),
+    ("POST", re.compile(r"/cas/v1/xorbs/default/(?P<hash>[0-9a-f]{64})$"), "cas_xorb"),
+    ("POST", re.compile(r"/cas/v2/shards$"), "cas_shard_v2"),
+    ("POST", re.compile(r"/cas/v1/shards$"), "cas_shard"),
+    ("GET", re.compile(r"/cas/v2/reconstructions/(?P<hash>[0-9a-f]{64})$"), "cas_rebuild_v2"),
+    ("GET", re.compile(r"/cas/v1/reconstructions/(?P<hash>[0-9a-f]{64})$"), "cas_rebuild"),
+    ("GET", re.compile(r"/cas/xorb-bytes/(?P<hash>[0-9a-f]{64})$"), "cas_bytes"),
+    ("POST", re.compile(r"/v1/telemetry$"), "cas_telemetry"),
 ]  # fmt: skip
+#: Routes of the CAS, which takes the xet access tokens the token endpoints hand out.
+CAS_ROUTES = {route for _, _, route in ROUTES if route.startswith("cas_")}
 
 
 @dataclass
@@ -71,6 +87,7 @@ class Entry:
 class HubStandIn:
     """The Hub on loopback. ``buckets``: bucket id -> {path: Entry}."""
 
+    #: Where the CAS keeps the xorbs and shards hf_xet uploads.
     cas_dir: Path
     tokens: dict[str, Token] = field(default_factory=dict)
     buckets: dict[str, dict[str, Entry]] = field(default_factory=dict)
@@ -80,6 +97,8 @@ class HubStandIn:
     wrong_hash: dict[str, str] = field(default_factory=dict)
     _limits: list[tuple[str, int, int]] = field(default_factory=list)
     _hang: str | None = None
+    _hang_xorb_after: str | None = None
+    _hang_xorb: bool = False
     hung: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -118,6 +137,16 @@ class HubStandIn:
         """Hold the first batch that adds a path ending with ``path_suffix`` until
         :attr:`release` is set (or the client is killed); :attr:`hung` is set meanwhile."""
         self._hang = path_suffix
+
+    def hang_xorb_after(self, path_suffix: str) -> None:
+        """Once a batch that adds a path ending with ``path_suffix`` is answered, hold the next
+        xorb upload (the bytes themselves, midway through a file's upload) as :meth:`hang_batch`
+        holds a batch."""
+        self._hang_xorb_after = path_suffix
+
+    def _hold(self) -> None:
+        self.hung.set()
+        self.release.wait()
 
     def files(self, bucket_id: str) -> dict[str, Entry]:
         with self.lock:
@@ -170,10 +199,13 @@ class _Handler(BaseHTTPRequestHandler):
         if route == "agent_harnesses":
             self._send(200, {"standardEnvVars": [], "harnesses": {}})
             return
+        args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
+        if route in CAS_ROUTES:
+            self._cas(route, args, body)
+            return
         token = self._token()
         if token is None:
             return
-        args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
         getattr(self, "do_" + route)(token, args, parse_qs(parts.query), body)
 
     do_GET = do_POST = do_HEAD = _dispatch
@@ -199,6 +231,55 @@ class _Handler(BaseHTTPRequestHandler):
         digest = self.standin.wrong_hash.get(path, entry.xet_hash)
         return {"type": "file", "path": path, "size": entry.size, "xetHash": digest,
                 "mtime": _iso(entry.mtime), "uploadedAt": _iso(entry.mtime)}  # fmt: skip
+
+    # -- the CAS (hf_xet's side) -------------------------------------------------------------
+
+    def _cas(self, route: str, args: dict[str, str], body: bytes) -> None:
+        hub = self.standin
+        if route == "cas_telemetry":
+            self._send(200, {})
+            return
+        if route in ("cas_dedup", "cas_grant", "cas_shard_v2", "cas_rebuild_v2"):
+            # No global deduplication; xorb grants and the v2 shard and reconstruction APIs
+            # are not stood in for: 404, on which hf_xet falls back to the v1 calls below.
+            self._send(404, {"error": "not found"})
+            return
+        auth = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        writes = route in ("cas_xorb", "cas_shard")
+        # A xorb's bytes are fetched from the URL a reconstruction names, without a token (the
+        # real CAS names presigned URLs); every other call carries the xet token.
+        allowed = ("xet-write",) if writes else ("xet-write", "xet-read")
+        if route != "cas_bytes" and auth not in allowed:
+            self._send(401, {"error": "invalid xet token"})
+            return
+        xorbs, shards = hub.cas_dir / "xorbs", hub.cas_dir / "shards"
+        if route == "cas_xorb":
+            if hub._hang_xorb:
+                hub._hang_xorb = False
+                hub._hold()
+                return
+            xorbs.mkdir(exist_ok=True)
+            (xorbs / args["hash"]).write_bytes(body)
+            self._send(200, {"was_inserted": True})
+        elif route == "cas_shard":
+            shards.mkdir(exist_ok=True)
+            (shards / f"{len(list(shards.iterdir())):06d}.mdb").write_bytes(body)
+            self._send(200, {"result": 1})
+        elif route == "cas_rebuild":
+            found = _file_terms(hub.cas_dir, args["hash"])
+            if found is None:
+                self._send(404, {"error": "file not found"})
+                return
+            self._send(200, _reconstruction(hub.url, hub.cas_dir, found))
+        else:  # cas_bytes: a range of a xorb
+            data = (xorbs / args["hash"]).read_bytes()
+            first, last = (int(n) for n in self.headers["Range"].removeprefix("bytes=").split("-"))
+            part = data[first : last + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {first}-{first + len(part) - 1}/{len(data)}")
+            self.send_header("Content-Length", str(len(part)))
+            self.end_headers()
+            self.wfile.write(part)
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -258,8 +339,7 @@ class _Handler(BaseHTTPRequestHandler):
         ops = [json.loads(line) for line in body.splitlines() if line.strip()]
         if hub._hang and any(o["path"].endswith(hub._hang) for o in ops if o["type"] == "addFile"):
             hub._hang = None
-            hub.hung.set()
-            hub.release.wait()
+            hub._hold()
             return  # the connection is dropped: the client never hears back
         failed = []
         with hub.lock:
@@ -274,6 +354,9 @@ class _Handler(BaseHTTPRequestHandler):
                     bucket.pop(op["path"], None)
                 else:
                     failed.append({"path": op.get("path"), "error": "not supported here"})
+        after = hub._hang_xorb_after
+        if after and not failed and any(o["path"].endswith(after) for o in ops):
+            hub._hang_xorb_after, hub._hang_xorb = None, True
         self._send(422 if failed and len(failed) == len(ops) else 200, {"failed": failed})
 
     def do_xet_token(self, token: Token, args: dict[str, str], query: Any, body: bytes) -> None:
@@ -282,7 +365,7 @@ class _Handler(BaseHTTPRequestHandler):
         if args["kind"] == "write" and token.role != "write":
             self._send(403, {"error": "You don't have write access to this bucket"})
             return
-        cas = f"local://{self.standin.cas_dir}"
+        cas = f"{self.standin.url}/cas"
         expires = int(time.time()) + 3600
         self._send(200, {"accessToken": "xet-" + args["kind"], "exp": expires, "casUrl": cas},
                    {"X-Xet-Cas-Url": cas, "X-Xet-Access-Token": "xet-" + args["kind"],
@@ -311,34 +394,67 @@ def _iso(stamp: int) -> str:
     )
 
 
-def _cas_size(cas_dir: Path, xet_hash: str) -> int | None:
-    """The size of the file ``xet_hash`` as the CAS's shards register it, when every xorb it
-    is made of is there too; ``None`` when the CAS does not hold it (an unfinished upload).
+def _file_terms(cas_dir: Path, xet_hash: str) -> list[tuple[str, int, int, int]] | None:
+    """The file ``xet_hash`` as the CAS's shards register it: its terms (xorb hash, unpacked
+    bytes, first chunk, end chunk); ``None`` when no shard registers it.
 
-    Read from the shard files themselves (header, then the file-info section: per file a
-    48-byte header of hash, flags and entry count, then 48-byte entries of xorb hash, flags,
-    unpacked bytes and chunk range), not through hf_xet: its local CAS is locked by the one
-    process that uses it, and that is the client.
+    A shard starts with a 48-byte header (tag, version, footer size); its file-info section
+    has, per file, a 48-byte header (hash as four little-endian 64-bit words, flags, entry
+    count, padding), the entries (48 bytes: xorb hash, flags, unpacked bytes, chunk range),
+    as many verification entries when flag bit 31 is set, one metadata entry when bit 30 is;
+    an all-0xff hash ends the section.
     """
-    store = cas_dir / "xet" / "xorbs"
-    for shard in sorted((store / "shards").glob("*.mdb")):
+    for shard in sorted((cas_dir / "shards").glob("*.mdb")):
         data = shard.read_bytes()
-        at = 48  # tag (32 bytes), version, footer size
+        at = 48
         while at + 48 <= len(data):
             file_hash, (flags, count) = data[at : at + 32], struct.unpack_from("<II", data, at + 32)
             if file_hash == b"\xff" * 32:
-                break  # the bookend: end of the file-info section
+                break
             entries = [data[at + 48 * (1 + i) : at + 48 * (2 + i)] for i in range(count)]
             at += 48 * (1 + count + (count if flags & 0x80000000 else 0) + (flags >> 30 & 1))
-            if _hex(file_hash) != xet_hash:
-                continue
-            size = 0
-            for entry in entries:
-                if not (store / "xorbs" / f"default.{_hex(entry[:32])}").is_file():
-                    return None
-                size += struct.unpack_from("<I", entry, 36)[0]
-            return size
+            if _hex(file_hash) == xet_hash:
+                return [(_hex(e[:32]), *struct.unpack_from("<III", e, 36)) for e in entries]
     return None
+
+
+def _chunk_offsets(xorb: bytes, count: int) -> list[int]:
+    """Where each of the first ``count`` chunks of a xorb starts, and where the last ends: each
+    chunk is an 8-byte header (version, compressed size in 3 bytes, scheme, size in 3 bytes)
+    and its compressed bytes, which hf_xet itself decompresses."""
+    offsets, at = [0], 0
+    for _ in range(count):
+        at += 8 + int.from_bytes(xorb[at + 1 : at + 4], "little")
+        offsets.append(at)
+    return offsets
+
+
+def _reconstruction(
+    url: str, cas_dir: Path, terms: list[tuple[str, int, int, int]]
+) -> dict[str, Any]:
+    """The v1 reconstruction of a whole file: its terms, and where to fetch each term's
+    chunks (a byte range of its xorb; the range's end inclusive, as HTTP's)."""
+    fetch: dict[str, list[dict[str, Any]]] = {}
+    out = []
+    for xorb, unpacked, start, end in terms:
+        offsets = _chunk_offsets((cas_dir / "xorbs" / xorb).read_bytes(), end)
+        out.append({"hash": xorb, "unpacked_length": unpacked,
+                    "range": {"start": start, "end": end}})  # fmt: skip
+        fetch.setdefault(xorb, []).append({
+            "range": {"start": start, "end": end},
+            "url": f"{url}/cas/xorb-bytes/{xorb}",
+            "url_range": {"start": offsets[start], "end": offsets[end] - 1},
+        })  # fmt: skip
+    return {"offset_into_first_range": 0, "terms": out, "fetch_info": fetch}
+
+
+def _cas_size(cas_dir: Path, xet_hash: str) -> int | None:
+    """The size of the file ``xet_hash`` as the CAS's shards register it, when every xorb it
+    is made of is there too; ``None`` when the CAS does not hold it (an unfinished upload)."""
+    terms = _file_terms(cas_dir, xet_hash)
+    if terms is None or not all((cas_dir / "xorbs" / t[0]).is_file() for t in terms):
+        return None
+    return sum(unpacked for _, unpacked, _, _ in terms)
 
 
 def _hex(raw: bytes) -> str:

@@ -159,10 +159,15 @@ for step in (1, 2):
 """
 
 
+@pytest.mark.parametrize("where", ["xorb", "batch"])
 def test_bucket_kill_during_upload_leaves_the_earlier_checkpoint_newest_and_confirmed(
-    hub: HubStandIn, tmp_path: Path
+    hub: HubStandIn, tmp_path: Path, where: str
 ) -> None:
-    hub.hang_batch(f"{step_dirname(2)}/model.safetensors")
+    """Killed while step 2's bytes go to the content store, or while the Hub records them."""
+    if where == "xorb":
+        hub.hang_xorb_after(f"{step_dirname(1)}/manifest.json")
+    else:
+        hub.hang_batch(f"{step_dirname(2)}/model.safetensors")
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # what a killed process leaves stays here
     child = subprocess.Popen([sys.executable, "-c", SAVE_TWO, URL], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
