@@ -60,6 +60,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         lines, ok = verify_lines(*framework)
         print("\n".join(lines))
         return 0 if ok else 1
+    if args.hashes:
+        return _verify_hashes(CheckpointStore(args.dir, keep=None))
     report = CheckpointStore(args.dir, keep=None).verify()
     for result in report.results:
         print(result)
@@ -74,6 +76,29 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
     print(report.summary)
     return 0 if report.ok else 1
+
+
+def _verify_hashes(store: Any) -> int:
+    """``verify --hashes``: the store's own hash of each file (a bucket's ``xet_hash``)
+    against the local one recorded at save time; nothing but the manifests is downloaded."""
+    if not store.backend.write_back:
+        print(
+            f"{store.location} reports no hashes of its own: run `nbresume verify` without --hashes"
+        )
+        return 2
+    infos = store.list()
+    bad = 0
+    for info in infos:
+        confirmed, how = store.backend.confirm(info.name, info.manifest)
+        bad += not confirmed
+        print(f"{'OK' if confirmed else 'NOT CONFIRMED'} step {info.step}: {how}")
+    if not infos:
+        print(f"no checkpoints in {store.location}: nothing verified")
+        return 1
+    print(
+        f"{len(infos) - bad} of {len(infos)} checkpoint(s) confirmed by {store.backend.store_name}"
+    )
+    return 1 if bad else 0
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
@@ -593,6 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
         "there is none.",
     )
     p.add_argument("dir", help="checkpoint folder: a path or an fsspec URL")
+    p.add_argument(
+        "--hashes",
+        action="store_true",
+        help="download nothing but the manifests: compare the store's own hash of each file "
+        "(an hf://buckets bucket's xet_hash, Google Drive's MD5) with the one recorded at save",
+    )
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(

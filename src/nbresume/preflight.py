@@ -403,6 +403,18 @@ def _write_probe(folder: Path) -> str:
             path.unlink()
 
 
+def _check_bucket(location: str) -> Check:
+    """A Hugging Face bucket: the token may write there (the Hub is asked; nothing written)."""
+    from nbresume.checkpoint.backends import open_store
+    from nbresume.errors import NbresumeError
+
+    try:
+        open_store(location).check_writable()
+    except NbresumeError as exc:
+        return Check("durable folder", "fail", exc.message, exc.fix or "see docs/storage.md")
+    return Check("durable folder", "ok", f"{location}: the token may write to this bucket")
+
+
 def check_durable(
     location: str, platform: Platform, expected_bytes: int | None = None, keep: int | None = 3
 ) -> Check:
@@ -418,6 +430,8 @@ def check_durable(
                 f"{location} lives in this process's memory only",
                 "use a folder or an object store URL (s3://, gs://, ...) for checkpoints",
             )
+        if location.startswith("hf://buckets/"):
+            return _check_bucket(location)
         return Check("durable folder", "ok", f"{location}: object store, checked at the first save")
     path = Path(location.removeprefix("file://")).expanduser()
     try:

@@ -5,8 +5,9 @@ The layer above :mod:`~nbresume.checkpoint.format`: :mod:`.base` states the prot
 :mod:`.registry` maps a location to its backend, importing a registered backend's module only
 when a location of its kind is opened. The built-in backends: a POSIX folder (:mod:`.local`,
 which also removes deleted checkpoints in the background), any fsspec file system
-(:mod:`.fsspec_store`), Google Drive's mount (:mod:`.drive`). How a checkpoint is committed
-through a backend is described at the top of :mod:`nbresume.checkpoint.store.store`.
+(:mod:`.fsspec_store`), Google Drive's mount (:mod:`.drive`), a Hugging Face Storage Bucket
+(:mod:`.hf_bucket`, imported only when an ``hf://buckets/`` URL is opened). How a checkpoint
+is committed through a backend is described at the top of :mod:`nbresume.checkpoint.store.store`.
 
 This package is the layer's API: the names below are what the rest of the package imports.
 """

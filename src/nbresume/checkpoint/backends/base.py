@@ -152,6 +152,12 @@ class Backend(ABC):
         """Repair or remove what a killed writer left; ``current`` is a folder being written
         now and is left alone. Return the names that were cleaned."""
 
+    def check_writable(self) -> None:
+        """Raise :class:`~nbresume.errors.StorageError` unless this process may write here,
+        asking the store without writing anything, where the store can tell (a bucket asks the
+        Hub for a write token); by default nothing is asked: the first save finds out."""
+        return None
+
     def free_space(self) -> FreeSpace:
         """Free bytes and inodes, where the store can tell."""
         return FreeSpace(None, None)

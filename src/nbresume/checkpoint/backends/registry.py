@@ -33,6 +33,10 @@ known_backends: dict[str, dict[str, str]] = {
         "class": "nbresume.checkpoint.backends.drive.DriveStore",
         "err": "pip install google-api-python-client (Colab ships it)",
     },
+    "hf_bucket": {
+        "class": "nbresume.checkpoint.backends.hf_bucket.HfBucketStore",
+        "err": 'pip install "nbresume[buckets]" (huggingface_hub and hf_xet; Colab ships both)',
+    },
 }
 
 #: Backend classes already imported or registered as classes, by kind.
@@ -41,7 +45,9 @@ registry: dict[str, type[Backend]] = {}
 #: URL schemes that name a local folder.
 LOCAL_SCHEMES = ("file", "local")
 #: The kinds :func:`backend_kind` picks by itself; any other registered kind is a URL scheme.
-BUILTIN_KINDS = ("local", "fsspec", "drive")
+BUILTIN_KINDS = ("local", "fsspec", "drive", "hf_bucket")
+#: The URL prefix of a Hugging Face Storage Bucket (other hf:// URLs are fsspec's).
+BUCKET_PREFIX = "hf://buckets/"
 
 
 def register_backend(
@@ -75,6 +81,8 @@ def get_backend_class(kind: str) -> type[Backend]:
 
 def backend_kind(text: str) -> str:
     """The kind of backend for a checked location (see :func:`check_location`)."""
+    if text.startswith(BUCKET_PREFIX):
+        return "hf_bucket"
     scheme = text.split("::", 1)[0].split("://", 1)[0] if "://" in text else ""
     if not scheme or scheme in LOCAL_SCHEMES:
         return "drive" if _on_drive(_local_path(text)) else "local"
