@@ -95,6 +95,20 @@ def test_panel_and_once_across_a_reconnect(jupyter_env: dict[str, str], tmp_path
     assert "nbresume-setup" in states[views[0]["data"][WIDGET_VIEW]["model_id"]]["_dom_classes"]
     panel = states[views[1]["data"][WIDGET_VIEW]["model_id"]]
     assert "nbresume-panel" in panel["_dom_classes"]
+    # Where widgets do not render (the output read as text: nbconvert, a diff, GitHub), the
+    # panel's output states the run instead of the widget's repr, brought up to date at the
+    # end of each cell: the training cell ran after the panel was shown.
+    text = views[1]["data"]["text/plain"].splitlines()
+    assert text[:3] == [
+        "nbresume · run 'notebook' · local machine",
+        f"  checkpoints: {run_dir}",
+        f"  training: step {total} of {total} (100%) · done",
+    ]
+    assert len(text) == 4
+    assert text[3].startswith(f"  last checkpoint: step {total} saved (")
+    setup = views[0]["data"]["text/plain"]
+    assert setup.startswith("nbresume setup · local machine: ")
+    assert "<" not in setup
     bar = panel_part(states, "nbresume-bar")
     assert (bar["value"], bar["max"]) == (total, total)
     progress = panel_part(states, "nbresume-progress")["value"]

@@ -143,6 +143,15 @@ def _import_api() -> Any:
             f"Kaggle support needs the package {exc.name!r}",
             fix="pip install 'nbresume[kaggle]'",
         ) from None
+    # Older clients authenticate at import without credentials: 2.0 exits, 1.7 raises.
+    except SystemExit:
+        raise KaggleError(
+            "no Kaggle credentials found", fix=_CREDENTIALS_FIX, reason="auth"
+        ) from None
+    except OSError as exc:
+        raise KaggleError(
+            f"no Kaggle credentials found ({exc})", fix=_CREDENTIALS_FIX, reason="auth"
+        ) from None
     return KaggleApi
 
 

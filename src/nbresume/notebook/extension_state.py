@@ -5,6 +5,7 @@ one tracker, one panel, the shells whose cells it follows. The magics reach it h
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from typing import Any
 
@@ -15,6 +16,11 @@ from nbresume.notebook import status_line
 from nbresume.notebook._pump import CommPump
 from nbresume.notebook.progress import Tracker, tracker
 
+log = logging.getLogger("nbresume")
+
+#: The output type of a widget's view (what ipywidgets 7 and 8 display).
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
 
 class ExtensionState:
     """What the extension set up in this process."""
@@ -24,6 +30,10 @@ class ExtensionState:
         self.panel: Any = None
         self.pump: CommPump | None = None
         self.displayed = 0  # how many views of the panel were displayed
+        #: The panel's outputs (IPython display handles) and the text they hold for where
+        #: widgets do not render, brought up to date at the end of each cell.
+        self._outputs: list[Any] = []
+        self._output_text = ""
         self._shells: list[Any] = []
         self._lock = forksafe.rlock()
 
@@ -59,6 +69,26 @@ class ExtensionState:
 
     def _post_run_cell(self, result: Any = None) -> None:
         self.tracker.cell_finished()
+        self._update_outputs()
+
+    def _panel_output(self) -> dict[str, Any]:
+        """The panel's output: the widget, and a text of the run instead of the widget's
+        repr (truncated HTML) for papermill's and nbconvert's output and other text views."""
+        self._output_text = self.panel.plain_text()
+        view = {"version_major": 2, "version_minor": 0, "model_id": self.panel.widget.model_id}
+        return {"text/plain": self._output_text, _WIDGET_VIEW: view}
+
+    def _update_outputs(self) -> None:
+        if self.panel is None or not self._outputs:
+            return
+        try:
+            if self.panel.plain_text() == self._output_text:
+                return
+            output = self._panel_output()
+            for handle in self._outputs:
+                handle.update(output, raw=True)
+        except Exception:  # a display must never fail the user's cell
+            log.exception("nbresume: updating the panel's output failed")
 
     def ensure_panel(self, shell: Any) -> Any:
         """The panel of this process (created once), listening to the tracker."""
@@ -79,7 +109,7 @@ class ExtensionState:
         if shell is None or getattr(shell, "kernel", None) is None:
             return
         try:
-            panel = self.ensure_panel(shell)
+            self.ensure_panel(shell)
         except ImportError as exc:  # no ipywidgets in this kernel: log lines instead
             if not self.displayed:
                 print(f"nbresume: no panel ({exc}): pip install ipywidgets, restart the kernel")
@@ -88,7 +118,9 @@ class ExtensionState:
             return
         if self.displayed and not again:
             return
-        display(panel.widget)  # type: ignore[no-untyped-call]
+        handle = display(self._panel_output(), raw=True, display_id=True)  # type: ignore[no-untyped-call]
+        if handle is not None:
+            self._outputs.append(handle)
         self.displayed += 1
 
     def tracker_status_text(self) -> str:

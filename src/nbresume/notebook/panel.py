@@ -203,6 +203,23 @@ class Panel:
             _set(self.message, message if snap.message else "")
             _set(self.stop_button, not snap.running, "disabled")
 
+    def plain_text(self) -> str:
+        """The run in a few lines of text: what the panel's output says where widgets do not
+        render (a notebook executed by papermill or nbconvert, read as text or on GitHub)."""
+        snap = self.tracker.snapshot()
+        head = "nbresume"
+        if snap.run_name:
+            head += f" · run {snap.run_name!r}"
+        platform = next((f.text for f in snap.facts if f.label == "platform"), "")
+        if platform:
+            head += f" · {platform}"
+        lines = [head]
+        if snap.folder:
+            lines.append(f"  checkpoints: {snap.folder}")
+        lines.append(f"  training: {snap.progress_text()}")
+        lines.append(f"  last checkpoint: {snap.checkpoint_text()}")
+        return "\n".join(lines)
+
     # -- the parts -------------------------------------------------------------------------
 
     @staticmethod

@@ -669,8 +669,20 @@ def show(report: Report | None = None, run: Run | None = None) -> SetupPanel | N
         log.exception("nbresume: the setup panel failed")
         return None
     if shown is None:
-        display(panel.widget)  # type: ignore[no-untyped-call]
+        display(_output(panel), raw=True)  # type: ignore[no-untyped-call]
     return panel
+
+
+def _output(panel: SetupPanel) -> dict[str, Any]:
+    """The setup panel's output: the widget, and the setup as text instead of the widget's
+    repr (truncated HTML) for papermill's and nbconvert's output and other text views."""
+    view = {"version_major": 2, "version_minor": 0, "model_id": panel.widget.model_id}
+    try:
+        text = setup_text(panel.report, panel.run, panel.platform)
+    except Exception:  # the first cell must not fail for a display
+        log.exception("nbresume: the setup text failed")
+        text = "nbresume setup"
+    return {"text/plain": text, "application/vnd.jupyter.widget-view+json": view}
 
 
 __all__ = [

@@ -72,6 +72,27 @@ def sample_generator(index: int) -> Any:
     return torch.Generator().manual_seed(sample_seed(index))
 
 
+#: Below this, torch's initial seed was set by the user (``torch.manual_seed``, Lightning's
+#: ``seed_everything``, transformers' ``set_seed``): an unseeded torch starts from 64 bits of
+#: the operating system's randomness, below 2**32 once in four billion processes.
+_SEEDED_BELOW = 2**32
+
+
+def users_seed() -> int:
+    """The seed of a loader given none, from the streams the user seeds, read without drawing
+    from them: torch's initial seed where the user seeded torch (as before), otherwise a hash
+    of Python's ``random`` state. A script that seeds only ``random`` (and shuffles with it)
+    then gets the same orders in every process, as it does without nbresume; one that seeds
+    nothing gets other orders in each, as it does without nbresume."""
+    import torch
+
+    initial = torch.initial_seed()
+    if initial < _SEEDED_BELOW:
+        return initial
+    state = repr(random.getstate()).encode()
+    return int.from_bytes(hashlib.blake2b(b"random:" + state, digest_size=8).digest(), "big")
+
+
 def epoch_seed(seed: int, epoch: int) -> int:
     digest = hashlib.blake2b(f"order:{seed}:{epoch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
@@ -581,13 +602,12 @@ class ResumableLoader:
     """
 
     def __init__(self, loader: Any, *, seed: int | None = None) -> None:
-        import torch
         from torch.utils.data import IterableDataset
 
         self.loader = loader
         #: A stream (IterableDataset): no indices to skip by, and maybe no length.
         self.iterable = isinstance(loader.dataset, IterableDataset)
-        self.seed = int(torch.initial_seed() if seed is None else seed) & (2**63 - 1)
+        self.seed = int(users_seed() if seed is None else seed) & (2**63 - 1)
         self.epoch = 0
         self.position = 0  # batches of the current epoch already handed out
         #: The epoch of the Checkpointer's loop in which the last pass over this loader ended

@@ -233,6 +233,7 @@ def load_object(name: str, obj: Any, tree: Any) -> None:
     adopted: list[tuple[Any, Any]] = []
     try:
         if is_module(obj) and isinstance(tree, Mapping):
+            tree = compiled_renamed(tree, obj.state_dict(keep_vars=True)) or tree
             tree, adopted = adopt_storages(obj, tree)
         obj.load_state_dict(tree)
     except BaseException as exc:
@@ -518,9 +519,38 @@ def _differences(name: str, obj: Any, tree: Any) -> list[str]:
     return []
 
 
+#: The attribute under which ``torch.compile``'s wrapper holds the module it compiled.
+_COMPILED = "_orig_mod"
+
+
+def compiled_renamed(saved: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``saved`` with its keys renamed to ``live``'s where the two differ only by the
+    ``_orig_mod.`` that ``torch.compile`` puts in a compiled module's names (a compiled
+    model's checkpoint restored into the plain model, or the other way), else ``None``.
+
+    Only an exact match renames: once every ``_orig_mod`` is left out of the names, each
+    saved name must be one live name and each live name one saved name."""
+    if saved.keys() == live.keys():
+        return None
+    plain_saved = {_without_compile(key): key for key in saved}
+    plain_live = {_without_compile(key): key for key in live}
+    if (
+        len(plain_saved) != len(saved)
+        or len(plain_live) != len(live)
+        or plain_saved.keys() != plain_live.keys()
+    ):
+        return None
+    return {plain_live[plain]: saved[key] for plain, key in plain_saved.items()}
+
+
+def _without_compile(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part != _COMPILED)
+
+
 def _module_differences(name: str, live: Mapping[str, Any], saved: Any, torch: Any) -> list[str]:
     if not isinstance(saved, Mapping):
         return [f"{name}: the checkpoint holds a {type(saved).__name__}, not a state_dict"]
+    saved = compiled_renamed(saved, live) or saved
     out = []
     for key, value in saved.items():
         if key not in live:
@@ -534,6 +564,13 @@ def _module_differences(name: str, live: Mapping[str, Any], saved: Any, torch: A
         for key, value in live.items()
         if key not in saved
     ]
+    if out and any(_COMPILED in key.split(".") for key in [*saved, *live]):
+        out.insert(
+            0,
+            f"{name}: the names differ by torch.compile's '{_COMPILED}.' in another way than "
+            "a compiled and a plain copy of one model do (compile the model, or not, as in "
+            "the run that saved it)",
+        )
     return out
 
 

@@ -1,0 +1,116 @@
+"""Installing an extra never replaces a package Colab or Kaggle ships.
+
+The extras meant for users are resolved by pip itself, all of them at once, as ``pip install
+"nbresume[notebook,kaggle,...]"`` would resolve them on the platform, for the platform's
+Python, with the platform's packages held at their versions (``platforms.toml``) as
+constraints: the resolution must succeed (then each extra alone does too), and no package of
+the platform may come out at another version. A failure gives pip's own explanation, which
+names the requirement that does not admit the platform's version.
+
+pip resolves over the package index (``--dry-run --report``: metadata only, nothing is
+installed); where the index cannot be reached the tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+tomllib = pytest.importorskip("tomllib", reason="reads platforms.toml with Python 3.11's tomllib")
+
+ROOT = Path(__file__).resolve().parents[2]
+PLATFORMS: dict[str, Any] = tomllib.loads(Path(__file__).with_name("platforms.toml").read_text())
+#: The extras meant for users (test, docs and bench are the project's own).
+EXTRAS = ("notebook", "kaggle", "hf", "lightning", "drive", "s3", "ssh")
+
+pytestmark = pytest.mark.slow
+
+
+def pip(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@cache
+def index_unreachable() -> str:
+    """Why the package index cannot be used here ("" when it can)."""
+    try:
+        done = pip("index", "versions", "pip", timeout=60)
+    except subprocess.TimeoutExpired:
+        return "the package index did not answer within 60 s"
+    if done.returncode != 0:
+        return f"the package index cannot be reached: {done.stderr.strip()[-300:]}"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """nbresume's wheel, built once from this checkout (pip needs a built project to resolve
+    for another Python)."""
+    if reason := index_unreachable():
+        pytest.skip(reason)
+    folder = tmp_path_factory.mktemp("wheel")
+    done = pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(folder), str(ROOT))
+    assert done.returncode == 0, done.stderr
+    [built] = folder.glob("nbresume-*.whl")
+    return built
+
+
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
+def test_the_extras_leave_the_platforms_packages_as_they_are(
+    platform: str, wheel: Path, tmp_path: Path
+) -> None:
+    extras = ",".join(EXTRAS)
+    shipped = {canonicalize_name(k): v for k, v in PLATFORMS[platform]["packages"].items()}
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text("".join(f"{name}=={version}\n" for name, version in shipped.items()))
+    report = tmp_path / "report.json"
+    done = pip(
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--target",  # pip asks for one with --python-version; a dry run writes nothing there
+        str(tmp_path / "target"),
+        "--progress-bar=off",
+        "--report",
+        str(report),
+        "--python-version",
+        PLATFORMS[platform]["python"],
+        "--only-binary=:all:",
+        "--constraint",
+        str(constraints),
+        f"nbresume[{extras}] @ {wheel.as_uri()}",
+    )
+    said = "\n".join(
+        line
+        for line in (done.stdout + done.stderr).splitlines()
+        if line.startswith(("The conflict is caused by", "    ", "ERROR"))
+    )
+    assert done.returncode == 0, (
+        f"pip install 'nbresume[{extras}]' cannot keep {platform}'s packages "
+        f"({PLATFORMS[platform]['source']}):\n{said[-3000:]}"
+    )
+    resolved = {
+        canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert "nbresume" in resolved
+    changed = {
+        name: f"{shipped[name]} -> {version}"
+        for name, version in resolved.items()
+        if name in shipped
+        and not SpecifierSet(f"=={shipped[name]}").contains(version, prereleases=True)
+    }
+    assert not changed, f"nbresume[{extras}] would change {platform}'s {changed}"
