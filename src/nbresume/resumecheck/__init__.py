@@ -12,7 +12,7 @@ is reported by kind, with the likely cause and its fix.
 
 Nothing of a check outlives it: however it ends (its result, a failure, Ctrl-C, SIGTERM or
 SIGHUP sent to it), the script's process groups are ended, what the script started included
-(:func:`~nbresume.resumecheck.runs.end_group`), and its folders are removed (unless ``keep``).
+(:func:`~nbresume.resumecheck.runs.end_groups`), and its folders are removed (unless ``keep``).
 """
 
 from __future__ import annotations

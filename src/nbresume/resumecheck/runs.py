@@ -14,7 +14,7 @@ the moment has passed: a kill reported as "inside a save" was one, and no kill e
 after the final save of step N began (a resumed run would then train past N).
 
 However a run ends (the script's own exit, a planned kill, a timeout, Ctrl-C or SIGTERM sent to
-``nbresume check``), its whole process group is ended with it (:func:`end_group`): what the
+``nbresume check``), its whole process group is ended with it (:func:`end_groups`): what the
 script started and left running (DataLoader workers, a shell's children, a process in the
 background) is sent SIGTERM, and SIGKILL after :data:`GRACE_S`. The script's first process is
 reaped only after that: until then its pid, which is the group's id, cannot be taken by another
@@ -176,7 +176,7 @@ def _freeze(process: subprocess.Popen[bytes]) -> None:
 
 def ended(process: subprocess.Popen[bytes]) -> bool:
     """Whether the script's first process has ended, without reaping it (see the module's
-    docstring: only :func:`end_group` reaps it)."""
+    docstring: only :func:`end_groups` reaps it)."""
     if process.returncode is not None:
         return True
     if not hasattr(os, "waitid"):  # macOS: reaped now, as subprocess does
@@ -210,23 +210,32 @@ def _running(process: subprocess.Popen[bytes]) -> bool:
 
 
 def end_group(process: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> int:
-    """End the script's whole process group and reap its first process; return that
-    process's exit status. What still runs is sent SIGTERM (and SIGCONT, should it be
-    stopped), then SIGKILL after ``grace_s`` seconds. A second call returns at once."""
-    if process.returncode is not None:
-        return process.returncode
-    if _running(process):
+    """End the script's whole process group and reap its first process (:func:`end_groups`);
+    return that process's exit status."""
+    end_groups([process], grace_s)
+    return process.wait()
+
+
+def end_groups(processes: Sequence[subprocess.Popen[bytes]], grace_s: float = GRACE_S) -> None:
+    """End the scripts' whole process groups, all at once, and reap their first processes.
+    What still runs is sent SIGTERM (and SIGCONT, should it be stopped), then SIGKILL after
+    ``grace_s`` seconds. A group ended before is left alone."""
+    live = [p for p in processes if p.returncode is None]
+    running = [p for p in live if _running(p)]
+    for process in running:
         _signal(process, signal.SIGTERM)
         _signal(process, signal.SIGCONT)
-        deadline = time.monotonic() + grace_s
-        while _running(process) and time.monotonic() < deadline:
-            time.sleep(POLL_S * 10)
-    # Whatever is left; the group's id is still the unreaped first process's own.
-    _signal(process, signal.SIGKILL)
-    deadline = time.monotonic() + STOP_WAIT_S
-    while _running(process) and time.monotonic() < deadline:
+    deadline = time.monotonic() + grace_s
+    while any(_running(p) for p in running) and time.monotonic() < deadline:
         time.sleep(POLL_S * 10)
-    return process.wait()
+    for process in live:
+        # Whatever is left; the group's id is still the unreaped first process's own.
+        _signal(process, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while any(_running(p) for p in live) and time.monotonic() < deadline:
+        time.sleep(POLL_S * 10)
+    for process in live:
+        process.wait()
 
 
 def finish(run: Run, process: subprocess.Popen[bytes], *, started: float, timeout_s: float) -> None:
@@ -283,8 +292,7 @@ def run_uninterrupted(
             finish(run, process, started=started, timeout_s=timeout_s)
             run.legs.append(Leg(None, "done", seconds=time.monotonic() - started))
     finally:
-        for process in processes:
-            end_group(process)
+        end_groups(processes)
 
 
 def run_with_kill(
