@@ -31,6 +31,7 @@ file larger than its entry (one that grew after the commit) is refused, not copi
 
 from __future__ import annotations
 
+import errno
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -80,8 +81,8 @@ def push(
     check_dataset_ref(dataset)
     store = CheckpointStore(folder, keep=None)
     name = check_push_name(name) if name is not None else _run_name(store.location)
-    info = _chosen(store, step, folder, out)
     out(f"nbresume push: {store.location} -> Kaggle dataset {dataset}")
+    info = _chosen(store, step, folder, out)
     _caution_if_writing(store, out)
     with tempfile.TemporaryDirectory(prefix="nbresume-push-") as staging:
         root = Path(staging)
@@ -275,6 +276,12 @@ def _stage(
     except FileNotFoundError as exc:
         missing = _failed(info, f"missing file: {exc.filename or exc}")
         raise _refusal(store, missing, folder, asked=asked) from None
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise  # the staging folder's disk, a permission: the command line says which
+        # A file of the checkpoint that is not a regular file (a FIFO, a link): never opened.
+        odd = _failed(info, f"cannot read: {exc}")
+        raise _refusal(store, odd, folder, asked=asked) from None
     result = CheckpointStore(str(target), keep=None).verify(info.step)
     if not result.ok:
         problem = result.results[0].problem if result.results else "missing"
