@@ -11,10 +11,13 @@ torch): the tests then wait for their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +184,186 @@ def test_a_script_that_fails_is_reported_with_its_output_and_nothing_is_left(
     assert "FAILED: run 1: the script exited with status 3; its last lines:" in done.stdout
     assert "    loading data" in done.stdout  # the end of its output, to see why
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("nbresume-check-")]
+
+
+# -- nothing outlives the check: the script's processes, its folders, its log in memory --------
+
+#: A script that starts a process of its own (which, with "stubborn", ignores SIGTERM) and
+#: notes both pids, in the run named by "hang-in=run1|run2"; there it then fails ("fail") or
+#: waits to be ended. Elsewhere it trains four steps and saves, as a script under check does.
+LINGERING = """
+import os, subprocess, sys, time
+import numpy as np
+import nbresume
+
+run = os.environ["NBRESUME_CHECK_DIR"].rsplit("/", 1)[-1]
+if f"hang-in={run}" in sys.argv or (run == "run1b" and "hang-in=run1" in sys.argv):
+    ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    ignore = ignore if "stubborn" in sys.argv else ""
+    child = subprocess.Popen([sys.executable, "-c", ignore + "import time; time.sleep(600)"])
+    with open("pids", "a") as note:
+        note.write(f"{os.getpid()} {child.pid}\\n")
+    if "fail" in sys.argv:
+        raise SystemExit(3)
+    time.sleep(600)
+
+
+class Weights:
+    def __init__(self):
+        self.w = np.zeros(3)
+
+    def state_dict(self):
+        return {"w": self.w.copy()}
+
+    def load_state_dict(self, state):
+        self.w = np.asarray(state["w"]).copy()
+
+
+weights = Weights()
+ckpt = nbresume.Checkpointer("runs/x", every=None, async_save=False, quiet=True, w=weights)
+for step in ckpt.steps(4):
+    weights.w += step
+ckpt.close()
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended: it only waits to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def noted_pids(folder: Path) -> list[int]:
+    note = folder / "pids"
+    text = note.read_text() if note.exists() else ""
+    return [int(pid) for line in text.splitlines() for pid in line.split()]
+
+
+@contextlib.contextmanager
+def lingering_check(tmp_path: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``nbresume check`` of :data:`LINGERING`, started; whatever the test leaves running
+    is killed at its end (each script's group, and the processes they noted)."""
+    (tmp_path / "lingering.py").write_text(LINGERING)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    command = [sys.executable, "-m", "nbresume", "check", "--steps", "4", "--timeout", "120"]
+    check = subprocess.Popen(
+        [*command, "--", sys.executable, "lingering.py", *args],
+        cwd=tmp_path,
+        env=environment(tmp),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        yield check
+    finally:
+        if check.poll() is None:
+            check.kill()
+            check.communicate()
+        for pid in noted_pids(tmp_path):
+            if running(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def wait_for_scripts(check: subprocess.Popen[str], folder: Path, count: int) -> list[int]:
+    """The pids of the ``count`` scripts (and the process each started), once all noted."""
+    deadline = time.monotonic() + 120  # a hang guard, not a timing
+    while len(noted_pids(folder)) < 2 * count:
+        assert check.poll() is None, check.communicate()[0]
+        assert time.monotonic() < deadline, "the scripts never started"
+        time.sleep(0.05)
+    return noted_pids(folder)
+
+
+def assert_nothing_left(folder: Path, pids: list[int]) -> None:
+    left = [pid for pid in pids if running(pid)]
+    assert not left, f"still running after the check ended: {left}"
+    folders = [p.name for p in (folder / "tmp").iterdir() if p.name.startswith("nbresume-check-")]
+    assert not folders, f"the check left its folders behind: {folders}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ctrl_c_in_the_killed_run_ends_the_script_and_what_it_started_and_removes_the_folders(
+    tmp_path: Path,
+) -> None:
+    with lingering_check(tmp_path, "hang-in=run2") as check:
+        pids = wait_for_scripts(check, tmp_path, count=1)
+        check.send_signal(signal.SIGINT)
+        out, _ = check.communicate(timeout=120)
+        assert check.returncode == 130, out
+        assert "run 1 (uninterrupted, twice side by side): done at step 4" in out
+        assert "nbresume check: interrupted" in out
+        assert_nothing_left(tmp_path, pids)
+
+
+@pytest.mark.slow  # the processes that ignore SIGTERM are given the whole grace
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigterm_ends_both_scripts_side_by_side_and_what_they_started_and_removes_the_folders(
+    tmp_path: Path,
+) -> None:
+    with lingering_check(tmp_path, "hang-in=run1", "stubborn") as check:
+        pids = wait_for_scripts(check, tmp_path, count=2)  # run 1 and 1b, side by side
+        check.send_signal(signal.SIGTERM)
+        out, _ = check.communicate(timeout=120)
+        assert check.returncode == 128 + signal.SIGTERM, out
+        assert "STOPPED by SIGTERM: the script's processes were ended" in out
+        # The processes the scripts started ignore SIGTERM: killed after the grace.
+        assert_nothing_left(tmp_path, pids)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_what_a_script_leaves_running_when_it_exits_is_ended_with_it(tmp_path: Path) -> None:
+    with lingering_check(tmp_path, "hang-in=run1", "fail") as check:
+        out, _ = check.communicate(timeout=120)
+        assert check.returncode == 1, out
+        assert "the script exited with status 3" in out
+        pids = noted_pids(tmp_path)
+        assert len(pids) >= 2, out  # run 1b may have been ended before it noted its own
+        assert_nothing_left(tmp_path, pids)
+
+
+#: A failing script whose log grows by 1.5 GiB without a byte written (sparse), then ends
+#: with the line that says why.
+HUGE_LOG = """
+import os
+print("loading data", flush=True)
+os.ftruncate(1, os.fstat(1).st_size + (3 << 29))
+print("\\nthe last words: out of patience", flush=True)
+raise SystemExit(3)
+"""
+
+#: Runs a command and prints the peak memory of its largest process (KiB), its descendants
+#: that ended included.
+PEAK = (
+    "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+    "print('PEAK-KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"
+)
+
+
+def test_a_huge_log_is_read_for_its_last_lines_only(tmp_path: Path) -> None:
+    (tmp_path / "huge_log.py").write_text(HUGE_LOG)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    command = [sys.executable, "-m", "nbresume", "check", "--", sys.executable, "huge_log.py"]
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK, *command],
+        cwd=tmp_path,
+        env=environment(tmp),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the script exited with status 3; its last lines:" in done.stdout
+    assert "    the last words: out of patience" in done.stdout
+    peak_mib = int(done.stdout.split("PEAK-KIB")[1].split()[0]) / 1024
+    assert peak_mib < 256, f"the check took {peak_mib:.0f} MiB for a 1.5 GiB log"
+    assert not [p for p in tmp.iterdir() if p.name.startswith("nbresume-check-")]
 
 
 # -- the knobs the command sets --------------------------------------------------------------

@@ -428,6 +428,15 @@ def _kaggle_dataset(text: str) -> str:
     return text
 
 
+def _push_name(text: str) -> str:
+    from nbresume.kaggle.push import check_push_name
+
+    try:
+        return check_push_name(text)
+    except NbresumeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _kaggle_accelerator(text: str) -> str:
     from nbresume.kaggle.metadata import parse_accelerator
 
@@ -755,7 +764,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the private dataset to upload to (made by the first push)",
     )
     p.add_argument(
-        "--name", help="the run's name in nbresume.init (default: the folder's last part)"
+        "--name",
+        type=_push_name,
+        help="the run's name in nbresume.init (default: the folder's last part)",
     )
     p.add_argument("--step", type=int, help="push this step rather than the newest")
     p.set_defaults(func=_cmd_push)

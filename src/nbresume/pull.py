@@ -622,10 +622,26 @@ def _pull_all(source: Store, target: Path, rate: float | None, out: Callable[[st
 
 def _live_writer(source: Store) -> Holder | None:
     """The live writer holding the source's lease (``None`` when there is none)."""
+    where = source.child(LEASE_NAME)
     try:
         return live_holder(source)
-    except (OSError, NbresumeError) as exc:
-        where = source.child(LEASE_NAME)
+    except NbresumeError as exc:
+        # Not a file (a FIFO, a folder, a link): a pull run again would find it the same.
+        fix = f"{exc.fix}; then pull again" if exc.fix else "remove it, then pull again"
+        raise StorageError(
+            f"cannot tell whether a training still writes in {source.location}: {exc.message}",
+            where=where,
+            fix=fix,
+        ) from None
+    except PermissionError:
+        raise StorageError(
+            f"cannot read the writer lease {where} (permission denied), which tells whether a "
+            f"training still writes in {source.location}",
+            where=where,
+            fix="pull as the user the training runs as, or make the file readable to you "
+            "(chmod a+r), then pull again",
+        ) from None
+    except OSError as exc:
         raise _TransferError(f"reading the writer lease {where} failed: {exc}") from exc
 
 

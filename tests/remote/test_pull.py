@@ -9,6 +9,7 @@ so that it can be killed, and so can the server under it.
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import subprocess
 import time
@@ -375,3 +376,87 @@ def test_usage_errors_exit_two(
     code, _, err = run_cli(argv, capsys)
     assert code == 2
     assert message in err
+
+
+# -- a writer lease that is not a file: the error names it and the fix, at once ----------------
+
+
+def odd_lease(folder: Path, kind: str) -> Path:
+    """Make the source's writer lease ``kind``: a FIFO, a folder, or a link to an odd thing."""
+    lease = folder / LEASE_NAME
+    if kind == "fifo":
+        os.mkfifo(lease)  # opened, it would wait for a writer forever
+    elif kind == "folder":
+        lease.mkdir()
+    elif kind == "link-to-device":
+        lease.symlink_to("/dev/zero")  # read, it never ends
+    elif kind == "link-to-fifo":
+        os.mkfifo(folder / "pipe")
+        lease.symlink_to(folder / "pipe")
+    else:
+        lease.symlink_to(folder / "nowhere")
+    return lease
+
+
+def assert_named_with_the_fix(done: subprocess.CompletedProcess[str], lease: str) -> None:
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, said
+    assert "nbresume pull: error: cannot tell whether a training still writes in" in done.stderr
+    assert lease in done.stderr
+    assert f"rm {lease}" in done.stderr or f"mv {lease}" in done.stderr, said
+    assert "then pull again" in done.stderr
+    assert "INTERRUPTED" not in said  # not a dropped connection: running again changes nothing
+    assert "Run the same command again" not in said
+    assert SAFE_LINE not in said
+
+
+ODD_LEASES = ["fifo", "folder", "link-to-device", "link-to-fifo", "dangling-link"]
+
+
+@pytest.mark.parametrize("kind", ODD_LEASES)
+def test_a_lease_that_is_not_a_file_is_named_with_the_fix(
+    kind: str, tmp_path: Path, child_env: dict[str, str]
+) -> None:
+    src = tmp_path / "remote"
+    remote_run(src, big=64 << 10)
+    lease = odd_lease(src, kind)
+    done = subprocess.run(
+        nbresume_argv("pull", str(src), str(tmp_path / "dst")),
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,  # a FIFO opened for reading would wait here for ever
+    )
+    assert_named_with_the_fix(done, str(lease))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_an_unreadable_lease_is_named_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "remote"
+    remote_run(src, big=64 << 10)
+    (src / LEASE_NAME).write_bytes(b"{}")
+    (src / LEASE_NAME).chmod(0)
+    code, out, err = run_cli(["pull", str(src), str(tmp_path / "dst")], capsys)
+    assert code == 1, out + err
+    assert f"cannot read the writer lease {src / LEASE_NAME} (permission denied)" in err
+    assert "chmod a+r" in err
+    assert "INTERRUPTED" not in out + err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_over_ssh_a_lease_that_is_not_a_file_is_named_at_once_never_waited_on(
+    kind: str, sshd: SshServer, child_env: dict[str, str], tmp_path: Path
+) -> None:
+    src = tmp_path / "remote" / "run1"
+    remote_run(src, big=64 << 10)
+    lease = odd_lease(src, kind)
+    done = subprocess.run(
+        nbresume_argv("pull", sshd.url(src), str(tmp_path / "local")),
+        env=pull_env(sshd, child_env),
+        capture_output=True,
+        text=True,
+        timeout=60,  # the SFTP server that opens a FIFO waits for a writer, and the pull too
+    )
+    assert_named_with_the_fix(done, str(lease))

@@ -43,6 +43,21 @@ def start_ticks(pid: int | str) -> int | None:
     return int(fields[19]) if fields else None
 
 
+def group_members(pgid: int) -> list[int] | None:
+    """The processes of the process group ``pgid`` that still run (zombies, which have ended
+    and wait to be reaped, left out); ``None`` where ``/proc`` is missing."""
+    if not has_proc():
+        return None
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = stat_fields(entry)  # [state, ppid, pgrp, ...]
+        if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
 def boot_id() -> str:
     """An id of this boot of the machine (``""`` where unknown): a reboot ends every process."""
     return read_text("/proc/sys/kernel/random/boot_id")

@@ -9,6 +9,10 @@ at the same step N; the final checkpoints are then read back, verified, and comp
 by tensor and value by value. What differs between the two uninterrupted runs too (a random
 stream the script never seeds nor draws from) is left out; what differs only after the kills
 is reported by kind, with the likely cause and its fix.
+
+Nothing of a check outlives it: however it ends (its result, a failure, Ctrl-C, SIGTERM or
+SIGHUP sent to it), the script's process groups are ended, what the script started included
+(:func:`~nbresume.resumecheck.runs.end_groups`), and its folders are removed (unless ``keep``).
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ from __future__ import annotations
 import random
 import shlex
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
 
 from nbresume.resumecheck import causes
 from nbresume.resumecheck.compare import (
@@ -65,18 +73,71 @@ def check(
         seed = random.SystemRandom().randrange(100_000)
     job = _Check(list(command), steps, kills, seed, timeout_s, say or _print)
     job.say(f"nbresume check: `{shlex.join(command)}`, {steps} steps, {kills} kill(s), seed {seed}")
-    work = Path(tempfile.mkdtemp(prefix="nbresume-check-"))
-    try:
-        return job.run(work)
-    except RunFailed as exc:
-        job.say(f"FAILED: {exc.message}")
-        job.say(f"fix: {exc.fix}")
-        return 1
-    finally:
-        if keep:
-            job.say(f"the runs' folders and logs are kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    with _StopSignals() as signals:
+        work = Path(tempfile.mkdtemp(prefix="nbresume-check-"))
+        try:
+            return job.run(work)
+        except RunFailed as exc:
+            job.say(f"FAILED: {exc.message}")
+            job.say(f"fix: {exc.fix}")
+            return 1
+        except _Stopped as stopped:
+            job.say(
+                f"STOPPED by {signal.Signals(stopped.signum).name}: the script's processes "
+                "were ended"
+            )
+            return 128 + stopped.signum
+        finally:
+            signals.disarm()  # a second signal must not cut the removal short
+            if keep:
+                job.say(f"the runs' folders and logs are kept in {work}")
+            else:
+                shutil.rmtree(work, ignore_errors=True)
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGHUP reached the check (see :class:`_StopSignals`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopSignals:
+    """While a check runs in the main thread: SIGTERM and SIGHUP raise :class:`_Stopped`
+    there, once, so that the check ends the script's processes and removes its folders as it
+    does on Ctrl-C, instead of dying with them left behind. A signal ignored before (under
+    ``nohup``) stays ignored; the handlers before are put back at the end."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+        self.armed = True
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self.previous[signum] = signal.signal(signum, self._stop)
+        return self
+
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        if self.armed:
+            self.armed = False
+            raise _Stopped(signum)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
 def _print(line: str) -> None:

@@ -12,6 +12,13 @@ moment comes, the whole process group is stopped (SIGSTOP) first, the folders ar
 again while nothing moves, and only then is it killed (SIGKILL), or let go on (SIGCONT) when
 the moment has passed: a kill reported as "inside a save" was one, and no kill ever lands
 after the final save of step N began (a resumed run would then train past N).
+
+However a run ends (the script's own exit, a planned kill, a timeout, Ctrl-C or SIGTERM sent to
+``nbresume check``), its whole process group is ended with it (:func:`end_groups`): what the
+script started and left running (DataLoader workers, a shell's children, a process in the
+background) is sent SIGTERM, and SIGKILL after :data:`GRACE_S`. The script's first process is
+reaped only after that: until then its pid, which is the group's id, cannot be taken by another
+process, so no signal meant for the group reaches anything else.
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ from nbresume.errors import NbresumeError
 POLL_S = 0.001
 #: Seconds to wait for a stopped process group to be stopped for sure.
 STOP_WAIT_S = 1.0
+#: Seconds the script's processes are given to end after SIGTERM before they are killed.
+GRACE_S = 5.0
+#: The most bytes of a log read for its last lines, and the most characters shown of a line.
+TAIL_BYTES = 64 << 10
+LINE_CHARS = 400
 
 
 class RunFailed(NbresumeError):
@@ -162,17 +174,81 @@ def _freeze(process: subprocess.Popen[bytes]) -> None:
         time.sleep(POLL_S)
 
 
-def finish(run: Run, process: subprocess.Popen[bytes], *, started: float, timeout_s: float) -> None:
-    """Wait for the process to end on its own; raise when it fails or takes too long."""
+def ended(process: subprocess.Popen[bytes]) -> bool:
+    """Whether the script's first process has ended, without reaping it (see the module's
+    docstring: only :func:`end_groups` reaps it)."""
+    if process.returncode is not None:
+        return True
+    if not hasattr(os, "waitid"):  # macOS: reaped now, as subprocess does
+        return process.poll() is not None
     try:
-        code = process.wait(timeout=max(0.0, started + timeout_s - time.monotonic()))
-    except subprocess.TimeoutExpired:
+        found = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return process.poll() is not None
+    return found is not None
+
+
+def _wait_ended(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Wait until the script's first process ended (True) or ``timeout_s`` passed (False),
+    without reaping it."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while not ended(process):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.05)
+    return True
+
+
+def _running(process: subprocess.Popen[bytes]) -> bool:
+    """Whether any process of the script's group still runs (without ``/proc``: whether the
+    first one does)."""
+    members = procfs.group_members(process.pid)
+    return not ended(process) if members is None else bool(members)
+
+
+def end_group(process: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> int:
+    """End the script's whole process group and reap its first process (:func:`end_groups`);
+    return that process's exit status."""
+    end_groups([process], grace_s)
+    return process.wait()
+
+
+def end_groups(processes: Sequence[subprocess.Popen[bytes]], grace_s: float = GRACE_S) -> None:
+    """End the scripts' whole process groups, all at once, and reap their first processes.
+    What still runs is sent SIGTERM (and SIGCONT, should it be stopped), then SIGKILL after
+    ``grace_s`` seconds. A group ended before is left alone."""
+    live = [p for p in processes if p.returncode is None]
+    running = [p for p in live if _running(p)]
+    for process in running:
+        _signal(process, signal.SIGTERM)
+        _signal(process, signal.SIGCONT)
+    deadline = time.monotonic() + grace_s
+    while any(_running(p) for p in running) and time.monotonic() < deadline:
+        time.sleep(POLL_S * 10)
+    for process in live:
+        # Whatever is left; the group's id is still the unreaped first process's own.
         _signal(process, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while any(_running(p) for p in live) and time.monotonic() < deadline:
+        time.sleep(POLL_S * 10)
+    for process in live:
         process.wait()
+
+
+def finish(run: Run, process: subprocess.Popen[bytes], *, started: float, timeout_s: float) -> None:
+    """Wait for the process to end on its own, then end what it left running in its group;
+    raise when it fails or takes too long."""
+    if not _wait_ended(process, max(0.0, started + timeout_s - time.monotonic())):
+        _signal(process, signal.SIGKILL)
+        end_group(process)
         raise RunFailed(
             f"{run.name} did not finish within {timeout_s:g} s; its last lines:\n{tail(run.log)}",
             fix="give it more time with --timeout, or fewer steps with --steps",
-        ) from None
+        )
+    code = end_group(process)
     if code != 0:
         raise RunFailed(
             f"{run.name}: the script exited with status {code}; its last lines:\n{tail(run.log)}",
@@ -182,12 +258,25 @@ def finish(run: Run, process: subprocess.Popen[bytes], *, started: float, timeou
 
 
 def tail(log: Path, lines: int = 15) -> str:
-    """The last lines of a log, indented."""
+    """The last lines of a log, indented, from its last :data:`TAIL_BYTES` bytes (however
+    large it is), each cut at :data:`LINE_CHARS` characters."""
     try:
-        text = log.read_text(errors="replace")
+        with open(log, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            start = max(0, size - TAIL_BYTES)
+            handle.seek(start)
+            text = handle.read(TAIL_BYTES).decode(errors="replace")
     except OSError:
         return ""
-    return "\n".join(f"    {line}" for line in text.splitlines()[-lines:])
+    shown = text.splitlines()
+    if start > 0 and len(shown) > 1:
+        shown = shown[1:]  # it began before the bytes read: only its end is there
+    return "\n".join(f"    {_shorten(line)}" for line in shown[-lines:])
+
+
+def _shorten(line: str) -> str:
+    line = line.replace("\0", "")  # a log extended without writing (sparse) reads as NULs
+    return line if len(line) <= LINE_CHARS else f"{line[: LINE_CHARS - 3]}..."
 
 
 def run_uninterrupted(
@@ -195,16 +284,15 @@ def run_uninterrupted(
 ) -> None:
     """Uninterrupted runs, side by side."""
     started = time.monotonic()
-    processes = [start(command, run, steps) for run in runs]
+    processes: list[subprocess.Popen[bytes]] = []
     try:
+        for run in runs:
+            processes.append(start(command, run, steps))
         for run, process in zip(runs, processes, strict=True):
             finish(run, process, started=started, timeout_s=timeout_s)
             run.legs.append(Leg(None, "done", seconds=time.monotonic() - started))
     finally:
-        for process in processes:
-            if process.poll() is None:
-                _signal(process, signal.SIGKILL)
-                process.wait()
+        end_groups(processes)
 
 
 def run_with_kill(
@@ -224,15 +312,43 @@ def run_with_kill(
     leg = Leg(before.committed, "done")
     started = time.monotonic()
     process = start(command, run, steps)
+    try:
+        killed = _aim(
+            process, run, steps, kill, stale=stale, started=started, rng=rng, timeout_s=timeout_s
+        )
+        if killed is not None:
+            leg.ended = "killed"
+            leg.inside_save, leg.step = killed
+            leg.seconds = time.monotonic() - started
+            return leg
+        finish(run, process, started=started, timeout_s=timeout_s)
+    finally:
+        end_group(process)
+    leg.seconds = time.monotonic() - started
+    return leg
+
+
+def _aim(
+    process: subprocess.Popen[bytes],
+    run: Run,
+    steps: int,
+    kill: Kill | None,
+    *,
+    stale: set[str],
+    started: float,
+    rng: random.Random,
+    timeout_s: float,
+) -> tuple[bool, int | None] | None:
+    """Watch the run and kill its process group as ``kill`` says; return (inside a save, the
+    step) once killed, ``None`` when the moment never came (the process runs on)."""
     aimed_at: float | None = None  # when the target was committed (a kill between saves)
-    while kill is not None and process.poll() is None:
+    while kill is not None and not ended(process):
         if time.monotonic() - started > timeout_s:
-            break  # finish() reports it
+            return None  # finish() reports it
         now = look(run.root)
         saving = {n: s for n, s in now.pending.items() if n not in stale}
         if now.newest(stale) >= steps:
-            kill = None  # the final save began: killing now could resume past step N
-            break
+            return None  # the final save began: killing now could resume past step N
         due = False
         if kill.in_save:
             due = any(s >= kill.target for s in saving.values())
@@ -251,15 +367,9 @@ def run_with_kill(
                 kill = None
             continue
         _signal(process, signal.SIGKILL)
-        process.wait()
-        leg.ended = "killed"
-        leg.inside_save = bool(saving)
-        leg.step = max(saving.values()) if saving else still.committed
-        leg.seconds = time.monotonic() - started
-        return leg
-    finish(run, process, started=started, timeout_s=timeout_s)
-    leg.seconds = time.monotonic() - started
-    return leg
+        end_group(process)
+        return bool(saving), max(saving.values()) if saving else still.committed
+    return None
 
 
 def plan_kills(count: int, last: int, rng: random.Random) -> list[Kill]:

@@ -274,6 +274,21 @@ def _token() -> str:
 SMALL_FILE_LIMIT = 64 << 10
 
 
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, in words; ``""`` for a regular file."""
+    if stat.S_ISREG(mode):
+        return ""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device file"
+
+
 def handle_size(handle: IO[bytes]) -> int | None:
     """The size of an open file where its file object can tell without reading it."""
     with contextlib.suppress(OSError, ValueError, AttributeError):

@@ -9,10 +9,11 @@ first. Creating a small file is not atomic across processes (the writer lease re
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Mapping
 from typing import IO, Any
 
-from nbresume.checkpoint.backends.base import SMALL_FILE_LIMIT, Backend
+from nbresume.checkpoint.backends.base import SMALL_FILE_LIMIT, Backend, file_kind
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     RETIRED_PREFIX,
@@ -62,6 +63,19 @@ class FsspecStore(Backend):
     def _path(self, *names: str) -> str:
         # An empty root (a bucket-less URL, a wrapped file system) must not add a leading "/".
         return "/".join(part for part in (self.root, *names) if part)
+
+    def _special(self, path: str) -> str:
+        """What ``path`` is when the file system can tell without opening it (SFTP) and it is
+        not a regular file (``"a named pipe (FIFO)"``, ...); ``""`` otherwise. An SFTP server
+        that opens a FIFO waits for a writer, and the reader with it, forever."""
+        lstat = getattr(getattr(self.fs, "ftp", None), "lstat", None)  # paramiko's SFTPClient
+        if lstat is None:
+            return ""
+        try:
+            mode = lstat(path).st_mode
+        except OSError:
+            return ""  # missing, or not to be looked at: the open says so itself
+        return file_kind(mode) if mode is not None else ""
 
     def _ls(self, path: str) -> list[dict[str, Any]]:
         # Listings are cached by some backends (s3fs): another process may have written since.
@@ -130,6 +144,9 @@ class FsspecStore(Backend):
 
     def open_read(self, folder: str, name: str) -> IO[bytes]:
         path = self._path(folder, name)
+        kind = self._special(path)
+        if kind:
+            raise OSError(errno.EINVAL, f"not a regular file but {kind}", self.child(folder, name))
         # s3fs takes a file's size and ETag from a cached listing of its folder: after another
         # writer replaced the file, that would read too few bytes or fail as "expired".
         self.fs.invalidate_cache(path)
@@ -167,6 +184,16 @@ class FsspecStore(Backend):
     def read_small(self, name: str) -> bytes | None:
         path = self._path(name)
         self.fs.invalidate_cache(path)
+        kind = self._special(path)
+        if kind:
+            move = f"mv {path} SOMEWHERE" if kind == "a folder" else f"rm {path}"
+            raise StorageError(
+                f"{self.child(name)} is {kind}, not a file: nbresume keeps its writer lease in "
+                "a small file of its own under this name",
+                where=self.child(name),
+                fix=f"on the machine that holds the folder, {move}; nbresume makes the file "
+                "itself when it writes here",
+            )
         try:
             data: bytes = self.fs.cat_file(path, start=0, end=SMALL_FILE_LIMIT)
         except FileNotFoundError:
@@ -176,8 +203,8 @@ class FsspecStore(Backend):
                     f"{self.child(name)} is a folder, not a file: nbresume keeps its writer "
                     "lease in a small file of its own under this name",
                     where=self.child(name),
-                    fix="move the objects under that name elsewhere, then run again: nbresume "
-                    "creates the file itself",
+                    fix="move the objects under that name elsewhere; nbresume makes the file "
+                    "itself when it writes here",
                 ) from None
             return None
         return data

@@ -42,7 +42,6 @@ import logging
 import os
 import shlex
 import shutil
-import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -56,6 +55,7 @@ from nbresume.checkpoint.backends.base import (
     Backend,
     FreeSpace,
     _token,
+    file_kind,
     replaced_step,
 )
 from nbresume.checkpoint.forksafe import Workers
@@ -372,7 +372,7 @@ class LocalStore(Backend):
                 f"{path} is {opened}, not a file: nbresume keeps its writer lease in a small "
                 "file of its own under this name",
                 where=str(path),
-                fix=f"{move}, then run again: nbresume creates the file itself",
+                fix=f"{move}; nbresume makes the file itself when it writes here",
             )
         with opened as handle:
             return handle.read(SMALL_FILE_LIMIT)
@@ -412,7 +412,7 @@ def _open_regular(path: Path) -> IO[bytes] | str:
     for a writer, a device may act on being opened, a symbolic link may lead out of the
     folder. The open itself takes no symbolic link and never waits, should another file have
     taken the name since it was looked at."""
-    kind = _kind(os.lstat(path).st_mode)
+    kind = file_kind(os.lstat(path).st_mode)
     if kind:
         return kind
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -422,26 +422,11 @@ def _open_regular(path: Path) -> IO[bytes] | str:
         if exc.errno in (errno.ELOOP, errno.EMLINK):
             return "a symbolic link"
         raise
-    kind = _kind(os.fstat(fd).st_mode)
+    kind = file_kind(os.fstat(fd).st_mode)
     if kind:
         os.close(fd)
         return kind
     return os.fdopen(fd, "rb")
-
-
-def _kind(mode: int) -> str:
-    """What a file of ``mode`` is, in words; ``""`` for a regular file."""
-    if stat.S_ISREG(mode):
-        return ""
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a device file"
 
 
 _FSYNC_REFUSED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES}
