@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import xxhash
+from tests.test_loadable import reseal
 
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX
 from nbresume.checkpoint.parallel import load_sharded, save_sharded
@@ -311,3 +312,89 @@ def test_a_pickle_is_never_loaded_even_under_a_matching_manifest(tmp_path: Path)
 
     assert not marker.exists()
     assert torch.equal(target["model"]["weight"], before)
+
+
+# -- sharded metadata that lies, its manifest entry resealed -------------------------------------
+
+
+def edit_metadata(folder: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change the sharded metadata of the checkpoint ``folder`` and reseal its manifest: the
+    hashes match, only what the metadata says betrays it."""
+    path = folder / "sharded.metadata.json"
+    document = json.loads(path.read_text())
+    change(document["items"])
+    path.write_text(json.dumps(document, indent=1))
+    reseal(folder)
+
+
+def tensors_of(items: dict[str, Any]) -> dict[str, Any]:
+    return {fqn: item for fqn, item in items.items() if item["kind"] == "tensor"}
+
+
+def drop_rank_1(items: dict[str, Any]) -> None:
+    for item in tensors_of(items).values():
+        item["chunks"] = [c for c in item["chunks"] if "rank00001" not in c["file"]]
+
+
+def overlapping_offsets(items: dict[str, Any]) -> None:
+    # Rank 1's rows of the first layer's weight said to start at row 8, inside rank 0's.
+    [second] = [c for c in items["model.0.weight"]["chunks"] if c["offsets"][0] > 0]
+    second["offsets"][0] = 8
+
+
+def size_doubled(items: dict[str, Any]) -> None:
+    items["model.0.weight"]["size"][0] *= 2
+
+
+def chunk_under_another_tensor(items: dict[str, Any]) -> None:
+    # The bias's chunk pointed at the exp_avg of the same bias: same file, dtype and shape.
+    [chunk] = [c for c in items["model.0.bias"]["chunks"] if c["offsets"] == [0]]
+    chunk["key"] = chunk["key"].replace("model.0.bias", "optim.state.0.bias.exp_avg")
+
+
+def swap_shard_files(folder: Path) -> None:
+    first, second = (folder / f"sharded.rank0000{r}.safetensors" for r in (0, 1))
+    data = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(data)
+    reseal(folder)
+
+
+def dtype_changed(items: dict[str, Any]) -> None:
+    items["model.2.weight"]["dtype"] = "float64"
+
+
+SHARDED_DAMAGES: dict[str, Callable[[Path], None]] = {
+    "a rank's chunks dropped": lambda f: edit_metadata(f, drop_rank_1),
+    "two chunks overlapping": lambda f: edit_metadata(f, overlapping_offsets),
+    "a tensor's size doubled": lambda f: edit_metadata(f, size_doubled),
+    "the two shard files swapped": swap_shard_files,
+    "a chunk under another tensor's key": lambda f: edit_metadata(f, chunk_under_another_tensor),
+    "a tensor's dtype changed": lambda f: edit_metadata(f, dtype_changed),
+}
+
+
+@pytest.mark.parametrize("damage", list(SHARDED_DAMAGES))
+def test_sharded_metadata_that_does_not_match_its_shards_is_refused_by_every_reader(
+    cluster: Cluster, saved: tuple[Path, Path], tmp_path: Path, damage: str
+) -> None:
+    root = copy_of(saved, tmp_path)
+    SHARDED_DAMAGES[damage](root / "000000000003")
+
+    report = CheckpointStore(root).verify()
+    assert [(r.step, r.ok) for r in report.results] == [(1, True), (2, True), (3, False)]
+    problem = report.results[-1].problem
+    assert "000000000003/sharded.metadata.json" in problem, problem
+    assert "does not match the checkpoint" in problem, problem
+    assert "Delete its folder, or put back an intact copy" in problem, problem
+
+    # Both ranks pass over step 3 with the store's warning and load step 2 exactly.
+    lines = cluster.run("restore", root, saved[1])
+    assert_ended_well(lines)
+    assert said(lines, 0, "restored") == said(lines, 1, "restored") == ["2 same"], lines
+    for rank in (0, 1):
+        [warning] = said(lines, rank, "warning")
+        assert warning.startswith("nbresume: skipped 1 newer checkpoint(s) that failed"), warning
+        assert "000000000003/sharded.metadata.json" in warning, warning
+        assert "Traceback" not in warning, warning
+        assert "same layout" not in warning, warning

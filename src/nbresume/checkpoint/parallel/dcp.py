@@ -306,6 +306,16 @@ def make_reader(
             return plans
 
         def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+            try:
+                self._read_items(plan, planner)
+            except CorruptCheckpointError as exc:
+                self.problem = str(exc)  # damage, passed over as such: not a misfit
+                raise
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
+
+        def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
             for item in plan.items:
                 location = self.storage_data[item.storage_index]
                 where = store.backend.child(name, location.file)
@@ -339,9 +349,6 @@ def make_reader(
                     )
                 target.copy_(piece)
                 planner.commit_tensor(item, target)
-            future: Future[None] = Future()
-            future.set_result(None)
-            return future
 
         @classmethod
         def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

@@ -85,6 +85,7 @@ from nbresume.checkpoint.store import (
     LoadedCheckpoint,
     PendingCheckpoint,
     check_bytes,
+    check_checkpoint,
     decode_files,
     encode,
     newest_that_loads,
@@ -399,6 +400,23 @@ def _load_folder(
         # The files outside the shards, which every rank loads (small: state.json, RNGs).
         others = {n: e for n, e in manifest.files.items() if not is_sharded_file(n, stem)}
         decode_files(store.backend, folder, store.read_files(folder, others), loaded)
+        # Complete and consistent (every tensor covered once by chunks that are in their
+        # files), from the metadata and the shard files' headers, before a shard is read.
+        headers = store.read_headers(
+            folder,
+            {
+                n: e
+                for n, e in manifest.files.items()
+                if is_sharded_file(n, stem) and n.endswith(".safetensors")
+            },
+        )
+        check_checkpoint(
+            manifest,
+            location=loaded.location,
+            documents={**loaded.data, meta_name.removesuffix(".json"): json.loads(shared)},
+            tensors={**loaded.tensors, **headers},
+            state=loaded.state,
+        )
         if check is not None:
             check(loaded)
     except CheckpointError as exc:
