@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from tests.test_loadable import reseal
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX
 from nbresume.checkpoint.parallel import load_sharded, save_sharded
 from nbresume.checkpoint.store import CheckpointStore
-from nbresume.errors import NoCheckpointError
+from nbresume.errors import CheckpointError, NoCheckpointError
 
 from .rank_server import RankServer
 from .teardown import RankEnd, problems
@@ -398,3 +399,80 @@ def test_sharded_metadata_that_does_not_match_its_shards_is_refused_by_every_rea
         assert "000000000003/sharded.metadata.json" in warning, warning
         assert "Traceback" not in warning, warning
         assert "same layout" not in warning, warning
+
+
+# -- what two FSDP2 ranks saved, restored by the plain model in one process ----------------------
+
+
+def plain_model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model of sharded_worker.build, not sharded, with its optimizer."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Checkpointer's run of an FSDP2 model and optimizer on two ranks, stopped (and saved)
+    at step 3; ``final.safetensors`` beside it holds its full state then."""
+    base = tmp_path_factory.mktemp("fsdp2")
+    lines = cluster.run("train", base / "run", base, "--total", 6, "--stop-after", 3)
+    assert_ended_well(lines)
+    return base
+
+
+def test_what_fsdp2_saved_on_two_ranks_restores_whole_into_a_plain_model_in_one_process(
+    fsdp2_run: Path, tmp_path: Path
+) -> None:
+    """A run sharded over two ranks (Kaggle's two T4s), resumed by the unsharded model in one
+    process (Colab's one GPU): the shards are gathered, every weight and every optimizer
+    state comes back as the two ranks had it, never a step over initial weights."""
+    from safetensors.torch import load_file
+
+    from nbresume import Checkpointer
+
+    run = Path(shutil.copytree(fsdp2_run / "run", tmp_path / "run"))
+    want = load_file(str(fsdp2_run / "final.safetensors"))
+    model, optimizer = plain_model_and_optimizer(seed=12345)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing passed over, nothing missing
+        ckpt = Checkpointer(run, model=model, optimizer=optimizer, every=2, keep=2, deadline=None)
+        assert ckpt.restore() == 3
+    ckpt.close()
+
+    names = [name for name, _ in model.named_parameters()]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[f"model/{name}"]), name
+        assert not torch.equal(tensor, initial[name]), name
+    state = optimizer.state_dict()["state"]
+    assert sorted(state) == list(range(len(names)))
+    for index, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[index][key], want[f"optim/state/{name}/{key}"]), (name, key)
+
+
+def test_a_sharded_checkpoint_that_does_not_fit_the_plain_model_is_refused_before_any_change(
+    fsdp2_run: Path, tmp_path: Path
+) -> None:
+    from nbresume import Checkpointer
+
+    run = Path(shutil.copytree(fsdp2_run / "run", tmp_path / "run"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = Checkpointer(run, model=model, optimizer=optimizer, every=2, keep=2, deadline=None)
+
+    with pytest.raises(CheckpointError, match="fits the objects given") as raised:
+        ckpt.restore()
+
+    ckpt.close()
+    assert "model.0.weight is [32, 16] float32 in the checkpoint, [24, 16] float32 here" in str(
+        raised.value
+    )
+    assert "Fix: build the model and optimizer exactly as" in str(raised.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not optimizer.state  # not even the zeroed state that would have received it
+    assert ckpt.step == 0
