@@ -348,9 +348,17 @@ def size_doubled(items: dict[str, Any]) -> None:
 
 
 def chunk_under_another_tensor(items: dict[str, Any]) -> None:
-    # The bias's chunk pointed at the exp_avg of the same bias: same file, dtype and shape.
+    # The bias's first chunk pointed at another tensor's chunk of the same file, dtype and
+    # shape (its optimizer state): only the key betrays it.
     [chunk] = [c for c in items["model.0.bias"]["chunks"] if c["offsets"] == [0]]
-    chunk["key"] = chunk["key"].replace("model.0.bias", "optim.state.0.bias.exp_avg")
+    [other] = [
+        c["key"]
+        for fqn, item in tensors_of(items).items()
+        if fqn != "model.0.bias" and "exp_avg_sq" not in fqn
+        for c in item["chunks"]
+        if (c["file"], c["sizes"]) == (chunk["file"], chunk["sizes"]) and c["offsets"] == [0]
+    ]
+    chunk["key"] = other
 
 
 def swap_shard_files(folder: Path) -> None:
