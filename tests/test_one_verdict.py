@@ -199,10 +199,33 @@ def sharded_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "run"
 
 
+def shards_removed(folder: Path) -> None:
+    """The sharded files gone and out of the manifest: what is left hashes right, and its
+    state.json still says the model and optimizer are sharded."""
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for name in [n for n in manifest["files"] if n.startswith("sharded.")]:
+        del manifest["files"][name]
+        (folder / name).unlink()
+    path.write_text(json.dumps(manifest))
+
+
+def sharded_object_unknown(folder: Path) -> None:
+    def change(state: dict[str, Any]) -> None:
+        state["sharded"] = [*state["sharded"], "ema"]
+
+    edit_state(folder, change)
+
+
 def test_every_reader_gives_a_sharded_run_the_same_verdict(
     sharded_template: Path, tmp_path: Path
 ) -> None:
-    damages: dict[str, Callable[[Path], Any]] = {INTACT: lambda folder: None, **SHARDED_DAMAGES}
+    damages: dict[str, Callable[[Path], Any]] = {
+        INTACT: lambda folder: None,
+        **SHARDED_DAMAGES,
+        "the sharded files removed, and the manifest's entries": shards_removed,
+        "a sharded object the metadata does not hold": sharded_object_unknown,
+    }
     ops, rows = [], list(damages)
     for index, name in enumerate(rows):
         run = Path(shutil.copytree(sharded_template, tmp_path / f"run{index}"))

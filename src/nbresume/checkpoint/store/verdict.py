@@ -46,13 +46,12 @@ FIX = (
 )
 
 
-def check_loaded(loaded: LoadedCheckpoint, *, extra: Mapping[str, Any] | None = None) -> None:
-    """:func:`check_checkpoint` on what a reader has read of ``loaded``; ``extra``: documents
-    read besides (a sharded load's metadata, kept out of ``loaded.data``)."""
+def check_loaded(loaded: LoadedCheckpoint) -> None:
+    """:func:`check_checkpoint` on what a reader has read of ``loaded``."""
     check_checkpoint(
         loaded.manifest,
         location=loaded.location,
-        documents={**loaded.data, **(extra or {})},
+        documents=loaded.data,
         tensors=loaded.tensors,
         state=loaded.state,
     )
