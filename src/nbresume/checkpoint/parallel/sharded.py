@@ -81,6 +81,7 @@ from nbresume.checkpoint.parallel.dcp import (
     read_verified,
     shard_names,
 )
+from nbresume.checkpoint.state import DoesNotFit, restoring
 from nbresume.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
@@ -479,8 +480,6 @@ class Gather:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from nbresume.checkpoint.state import DoesNotFit
-
         saved = loaded.state
         self.loaded = loaded
         self.stem = stem
@@ -539,8 +538,6 @@ class Gather:
     def load(self) -> None:
         """Copy every chunk into the objects' tensors, then load each object's state."""
         from torch.distributed.checkpoint.state_dict_loader import load
-
-        from nbresume.checkpoint.state import restoring
 
         if self.metadata is None:
             return
