@@ -405,14 +405,13 @@ def _load_folder(
         decode_files(store.backend, folder, store.read_files(folder, others), loaded)
         # Complete and consistent (every tensor covered once by chunks that are in their
         # files), from the metadata and the shard files' headers, before a shard is read.
-        headers = store.read_headers(
-            folder,
-            {
-                n: e
-                for n, e in manifest.files.items()
-                if is_sharded_file(n, stem) and n.endswith(".safetensors")
-            },
-        )
+        # Rank 0 reads the headers (the others check the rest): its verdict reaches them all.
+        shard_files = {
+            n: e
+            for n, e in manifest.files.items()
+            if is_sharded_file(n, stem) and n.endswith(".safetensors")
+        }
+        headers = store.read_headers(folder, shard_files) if group.rank == 0 else {}
         check_checkpoint(
             manifest,
             location=loaded.location,
