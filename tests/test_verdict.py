@@ -77,7 +77,7 @@ DAMAGES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "replicas of 0": (loader_field("replicas", 0), "'replicas' is 0,"),
     "a batch size of 0": (loader_field("batch_size", 0), "'batch_size' is 0,"),
     "a negative batch size": (loader_field("batch_size", -4), "'batch_size' is -4"),
-    "a position past the epoch": (loader_field("position", 17), "past the 16 batches"),
+    "a negative position": (loader_field("position", -1), "'position' is -1,"),
     "a step that is not the checkpoint's": (step, "'step' is 999999"),
 }
 

@@ -18,7 +18,7 @@ What it checks, beyond each file's hash (checked as the file is read):
   of the manifest.
 - **A Checkpointer's** ``state.json``: its step is the checkpoint's own; the objects it says
   are sharded are in the sharded metadata; each data loader's position is in range (a batch
-  size and a number of processes of at least 1, a position within the epoch).
+  size and a number of processes of at least 1, counters that are not negative).
 
 Only metadata already read is looked at: nothing here reads a file or touches a tensor's bytes.
 """
@@ -143,9 +143,8 @@ def _loader_problem(tree: dict[str, Any]) -> str:
             return f"{key!r} is {value!r}, not an integer of at least {low}"
     if not _is_int(tree["seed"]):
         return f"'seed' is {tree['seed']!r}, not an integer"
-    batches = tree.get("batches")
-    if _is_int(batches) and tree["position"] > batches:
-        return f"'position' is {tree['position']}, past the {batches} batches of an epoch"
+    # A position at or past the epoch's recorded batches is an epoch that ended (a sampler
+    # may yield more batches than its length says): the loader takes it as such.
     return ""
 
 
