@@ -8,6 +8,7 @@ operation runs in turn:
 - ``hf DIR``: ``nbresume.hf.last_checkpoint(DIR)``;
 - ``lightning DIR``: ``nbresume.lightning.last_checkpoint(DIR)``;
 - ``restore DIR``: ``Checkpointer(DIR, model=..., optimizer=...).restore()`` of :func:`build`;
+- ``restore-plain DIR``: the same with :func:`build_plain_fsdp2` (a run two FSDP2 ranks saved);
 - ``load DIR``: ``CheckpointStore(DIR).load()`` (what Lightning's ``CheckpointIO`` loads);
 - ``pull SRC:DST``: ``nbresume pull SRC DST``.
 
@@ -38,6 +39,16 @@ def build(seed: int = 0) -> tuple[Any, Any]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
+def build_plain_fsdp2(seed: int = 0) -> tuple[Any, Any]:
+    """The model and optimizer of ``tests/distributed/sharded_worker.py``, not sharded: what
+    restores a run that two FSDP2 ranks saved, in one process."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+
+
 def restore(op: str, folder: str) -> int | str:
     """The step restored, or the error that said no checkpoint is usable."""
     from nbresume import Checkpointer, CheckpointStore
@@ -46,7 +57,7 @@ def restore(op: str, folder: str) -> int | str:
     try:
         if op == "load":
             return CheckpointStore(folder, keep=None).load().step
-        model, optimizer = build(seed=1)
+        model, optimizer = build_plain_fsdp2(seed=1) if op == "restore-plain" else build(seed=1)
         ckpt = Checkpointer(
             folder, model=model, optimizer=optimizer, every=None, deadline=None,
             async_save=False, keep=None,
@@ -84,7 +95,7 @@ def run(op: str, arg: str) -> dict[str, Any]:
 
                 found = newest_ckpt([Path(arg)]).path
                 result = None if found is None else str(found)
-            elif op in ("restore", "load"):
+            elif op in ("restore", "restore-plain", "load"):
                 result = restore(op, arg)
             else:
                 raise SystemExit(f"unknown operation {op!r}")

@@ -22,7 +22,8 @@ with ``--kill-only`` it trains steps 1-3 without saving them (ROOT already holds
 ``train ROOT EXPECTED [--total N] [--stop-after S]`` trains to step N under a Checkpointer
 holding the sharded model and optimizer (``every=2``), after restoring (``start STEP``); with
 ``--stop-after S`` it asks for a stop after step S, which saves and ends the loop. It prints
-``final STEP DIGEST``, DIGEST a SHA-256 of the full state.
+``final STEP DIGEST``, DIGEST a SHA-256 of the full state, and rank 0 writes that full state
+(every DTensor gathered) to EXPECTED/final.safetensors.
 
 ``restore`` builds a fresh model and optimizer (other random weights), loads the newest
 checkpoint that verifies through :func:`load_sharded`, and prints ``restored STEP same``
@@ -195,6 +196,8 @@ def train(args: argparse.Namespace) -> None:
         if step + 1 == args.stop_after:
             ckpt.request_stop("asked to")
     document, tensors = full_state(sharded_state(model, optimizer))
+    if dist.get_rank() == 0:  # the full state the run ended with, for a plain restore
+        save_file(tensors, str(args.expected / "final.safetensors"))
     digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode())
     for key in sorted(tensors):
         digest.update(key.encode() + tensors[key].numpy().tobytes())

@@ -10,18 +10,20 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import xxhash
+from tests.test_loadable import reseal
 
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX
 from nbresume.checkpoint.parallel import load_sharded, save_sharded
 from nbresume.checkpoint.store import CheckpointStore
-from nbresume.errors import NoCheckpointError
+from nbresume.errors import CheckpointError, NoCheckpointError
 
 from .rank_server import RankServer
 from .teardown import RankEnd, problems
@@ -311,3 +313,174 @@ def test_a_pickle_is_never_loaded_even_under_a_matching_manifest(tmp_path: Path)
 
     assert not marker.exists()
     assert torch.equal(target["model"]["weight"], before)
+
+
+# -- sharded metadata that lies, its manifest entry resealed -------------------------------------
+
+
+def edit_metadata(folder: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change the sharded metadata of the checkpoint ``folder`` and reseal its manifest: the
+    hashes match, only what the metadata says betrays it."""
+    path = folder / "sharded.metadata.json"
+    document = json.loads(path.read_text())
+    change(document["items"])
+    path.write_text(json.dumps(document, indent=1))
+    reseal(folder)
+
+
+def tensors_of(items: dict[str, Any]) -> dict[str, Any]:
+    return {fqn: item for fqn, item in items.items() if item["kind"] == "tensor"}
+
+
+def drop_rank_1(items: dict[str, Any]) -> None:
+    for item in tensors_of(items).values():
+        item["chunks"] = [c for c in item["chunks"] if "rank00001" not in c["file"]]
+
+
+def overlapping_offsets(items: dict[str, Any]) -> None:
+    # Rank 1's rows of the first layer's weight said to start at row 8, inside rank 0's.
+    [second] = [c for c in items["model.0.weight"]["chunks"] if c["offsets"][0] > 0]
+    second["offsets"][0] = 8
+
+
+def size_doubled(items: dict[str, Any]) -> None:
+    items["model.0.weight"]["size"][0] *= 2
+
+
+def chunk_under_another_tensor(items: dict[str, Any]) -> None:
+    # The bias's first chunk pointed at another tensor's chunk of the same file, dtype and
+    # shape (its optimizer state): only the key betrays it.
+    [chunk] = [c for c in items["model.0.bias"]["chunks"] if c["offsets"] == [0]]
+    [other] = [
+        c["key"]
+        for fqn, item in tensors_of(items).items()
+        if fqn != "model.0.bias" and "exp_avg_sq" not in fqn
+        for c in item["chunks"]
+        if (c["file"], c["sizes"]) == (chunk["file"], chunk["sizes"]) and c["offsets"] == [0]
+    ]
+    chunk["key"] = other
+
+
+def swap_shard_files(folder: Path) -> None:
+    first, second = (folder / f"sharded.rank0000{r}.safetensors" for r in (0, 1))
+    data = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(data)
+    reseal(folder)
+
+
+def dtype_changed(items: dict[str, Any]) -> None:
+    items["model.2.weight"]["dtype"] = "float64"
+
+
+SHARDED_DAMAGES: dict[str, Callable[[Path], None]] = {
+    "a rank's chunks dropped": lambda f: edit_metadata(f, drop_rank_1),
+    "two chunks overlapping": lambda f: edit_metadata(f, overlapping_offsets),
+    "a tensor's size doubled": lambda f: edit_metadata(f, size_doubled),
+    "the two shard files swapped": swap_shard_files,
+    "a chunk under another tensor's key": lambda f: edit_metadata(f, chunk_under_another_tensor),
+    "a tensor's dtype changed": lambda f: edit_metadata(f, dtype_changed),
+}
+
+
+@pytest.mark.parametrize("damage", list(SHARDED_DAMAGES))
+def test_sharded_metadata_that_does_not_match_its_shards_is_refused_by_every_reader(
+    cluster: Cluster, saved: tuple[Path, Path], tmp_path: Path, damage: str
+) -> None:
+    root = copy_of(saved, tmp_path)
+    SHARDED_DAMAGES[damage](root / "000000000003")
+
+    report = CheckpointStore(root).verify()
+    assert [(r.step, r.ok) for r in report.results] == [(1, True), (2, True), (3, False)]
+    problem = report.results[-1].problem
+    assert "000000000003/sharded.metadata.json" in problem, problem
+    assert "does not match the checkpoint" in problem, problem
+    assert "Delete its folder, or put back an intact copy" in problem, problem
+
+    # Both ranks pass over step 3 with the store's warning and load step 2 exactly.
+    lines = cluster.run("restore", root, saved[1])
+    assert_ended_well(lines)
+    assert said(lines, 0, "restored") == said(lines, 1, "restored") == ["2 same"], lines
+    for rank in (0, 1):
+        [warning] = said(lines, rank, "warning")
+        assert warning.startswith("nbresume: skipped 1 newer checkpoint(s) that failed"), warning
+        assert "000000000003/sharded.metadata.json" in warning, warning
+        assert "Traceback" not in warning, warning
+        assert "same layout" not in warning, warning
+
+
+# -- what two FSDP2 ranks saved, restored by the plain model in one process ----------------------
+
+
+def plain_model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model of sharded_worker.build, not sharded, with its optimizer."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Checkpointer's run of an FSDP2 model and optimizer on two ranks, stopped (and saved)
+    at step 3; ``final.safetensors`` beside it holds its full state then."""
+    base = tmp_path_factory.mktemp("fsdp2")
+    lines = cluster.run("train", base / "run", base, "--total", 6, "--stop-after", 3)
+    assert_ended_well(lines)
+    return base
+
+
+def test_what_fsdp2_saved_on_two_ranks_restores_whole_into_a_plain_model_in_one_process(
+    fsdp2_run: Path, tmp_path: Path
+) -> None:
+    """A run sharded over two ranks (Kaggle's two T4s), resumed by the unsharded model in one
+    process (Colab's one GPU): the shards are gathered, every weight and every optimizer
+    state comes back as the two ranks had it, never a step over initial weights."""
+    from safetensors.torch import load_file
+
+    from nbresume import Checkpointer
+
+    run = Path(shutil.copytree(fsdp2_run / "run", tmp_path / "run"))
+    want = load_file(str(fsdp2_run / "final.safetensors"))
+    model, optimizer = plain_model_and_optimizer(seed=12345)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing passed over, nothing missing
+        ckpt = Checkpointer(run, model=model, optimizer=optimizer, every=2, keep=2, deadline=None)
+        assert ckpt.restore() == 3
+    ckpt.close()
+
+    names = [name for name, _ in model.named_parameters()]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[f"model/{name}"]), name
+        assert not torch.equal(tensor, initial[name]), name
+    state = optimizer.state_dict()["state"]
+    assert sorted(state) == list(range(len(names)))
+    for index, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[index][key], want[f"optim/state/{name}/{key}"]), (name, key)
+
+
+def test_a_sharded_checkpoint_that_does_not_fit_the_plain_model_is_refused_before_any_change(
+    fsdp2_run: Path, tmp_path: Path
+) -> None:
+    from nbresume import Checkpointer
+
+    run = Path(shutil.copytree(fsdp2_run / "run", tmp_path / "run"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = Checkpointer(run, model=model, optimizer=optimizer, every=2, keep=2, deadline=None)
+
+    with pytest.raises(CheckpointError, match="fits the objects given") as raised:
+        ckpt.restore()
+
+    ckpt.close()
+    assert "model.0.weight is [32, 16] float32 in the checkpoint, [24, 16] float32 here" in str(
+        raised.value
+    )
+    assert "Fix: build the model and optimizer exactly as" in str(raised.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not optimizer.state  # not even the zeroed state that would have received it
+    assert ckpt.step == 0

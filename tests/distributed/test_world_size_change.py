@@ -276,3 +276,20 @@ def test_each_rank_s_own_seeded_streams_survive_the_wrapped_loader(
     job = Leg(2, legs.run("streams", 2, tmp_path / "run"))
     job.assert_ended_well()
     assert job.said(0, "streams") == job.said(1, "streams") == ["same"]
+
+
+def test_a_data_parallel_job_gathers_what_fsdp2_ranks_saved(legs: Legs, tmp_path: Path) -> None:
+    """Two FSDP2 ranks save at step 10; a job of two plain DDP ranks resumes from it: each
+    process gathers the shards into its whole model and optimizer, and the run ends with
+    the bits of one that went on sharded."""
+    sharded, plain = tmp_path / "sharded", tmp_path / "plain"
+    for root in (sharded, plain):
+        Leg(2, legs.run("leg", 2, root, "--model", "fsdp", "--stop-after", 10)).assert_ended_well()
+    went_on = Leg(2, legs.run("leg", 2, sharded, "--model", "fsdp"))
+    went_on.assert_ended_well()
+    switched = Leg(2, legs.run("leg", 2, plain, "--model", "ddp"))
+    switched.assert_ended_well()
+
+    assert switched.one(0, "start") == switched.one(1, "start") == "10"
+    assert not [w for r in (0, 1) for w in switched.said(r, "warning") if "skipped" in w]
+    assert switched.one(0, "final") == switched.one(1, "final") == went_on.one(0, "final")

@@ -46,7 +46,12 @@ from nbresume.checkpoint.format.state_document import (
     restore_rng,
     unflatten,
 )
-from nbresume.checkpoint.format.tensorfile import TensorSpec, signature, torch_name
+from nbresume.checkpoint.format.tensorfile import (
+    TensorSpec,
+    from_torch_name,
+    signature,
+    torch_name,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -74,6 +79,7 @@ __all__ = [
     "decode_lightning",
     "decode_state",
     "flatten",
+    "from_torch_name",
     "is_state_document",
     "is_valid_file_name",
     "parse_manifest",

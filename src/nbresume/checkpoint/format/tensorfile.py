@@ -147,6 +147,13 @@ def torch_name(dtype: str) -> str:
     return _DTYPES[dtype][1] if dtype in _DTYPES else dtype
 
 
+def from_torch_name(name: str) -> tuple[str, int] | None:
+    """The safetensors dtype of the torch dtype named ``name`` (``float32``: ``F32``) and its
+    bytes per element; ``None`` for a dtype safetensors cannot hold."""
+    st_dtype = _TORCH_NAME_TO_ST.get(name)
+    return None if st_dtype is None else (st_dtype, _DTYPES[st_dtype][0])
+
+
 def signature(value: Any) -> tuple[str, tuple[int, ...]] | None:
     """The safetensors dtype name and the shape of a torch tensor, a NumPy array or a
     :class:`TensorSpec` (``None`` for anything else, or a dtype safetensors cannot hold)."""

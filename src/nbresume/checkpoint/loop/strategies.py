@@ -31,13 +31,20 @@ from typing import Any, Protocol
 
 from nbresume.checkpoint.format import capture_rng
 from nbresume.checkpoint.loop.saver import Saver, background_failure, raiser
-from nbresume.checkpoint.parallel import distributed, load_sharded, loadable_state, save_sharded
+from nbresume.checkpoint.parallel import (
+    Gather,
+    distributed,
+    load_sharded,
+    loadable_state,
+    save_sharded,
+)
 from nbresume.checkpoint.state import (
     RNG_GROUP,
     STATE_FILE,
     DoesNotFit,
     ResumableLoader,
     Snapshot,
+    optimizer_extras,
     restoring,
 )
 from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
@@ -150,14 +157,16 @@ class Strategy:
 
         def check(loaded: LoadedCheckpoint) -> None:
             try:
-                plan = self._plan(loaded)
+                plan, gather = self._prepare(loaded)
             except DoesNotFit as exc:
                 misfits.append(exc)
                 raise
             if plans is not None:
                 plans.append(plan)
             if apply:
-                self.host.apply_plan(plan)
+                self._apply(plan, gather)
+            elif gather is not None:
+                gather.undo()  # checked only: the objects stay as they were
 
         return check
 
@@ -170,6 +179,8 @@ class Strategy:
         def fits(heads: LoadedCheckpoint) -> None:
             try:
                 restoring.check_fits(heads, self.host.objects)
+                if self.gathers and heads.state is not None and heads.state.sharded:
+                    Gather(heads, self.host.objects).undo()  # the sharded objects fit too
             except DoesNotFit as exc:
                 misfits.append(exc)
                 raise
@@ -180,6 +191,29 @@ class Strategy:
         return restoring.plan(
             loaded, self.host.objects, rank=self.group.rank, world_size=self.group.world_size
         )
+
+    #: Whether this strategy puts a checkpoint's sharded state into plain objects (it has
+    #: every rank's shards in memory: one process, or each process of a replicated job).
+    gathers = True
+
+    def _prepare(self, loaded: LoadedCheckpoint) -> tuple[restoring.RestorePlan, Gather | None]:
+        """The plan of ``loaded`` and, for a checkpoint of sharded state, the gathering of
+        that state into the plain objects, both checked and nothing changed: a sharded
+        checkpoint is loaded whole or not at all, never its unsharded part alone."""
+        plan = self._plan(loaded)
+        if not (self.gathers and plan.saved.sharded):
+            return plan, None
+        try:
+            return plan, Gather(loaded, self.host.objects)
+        except BaseException:
+            optimizer_extras.shrink_groups(plan.grown)
+            raise
+
+    def _apply(self, plan: restoring.RestorePlan, gather: Gather | None) -> None:
+        """Put a prepared checkpoint into the objects: the plan, then the sharded state."""
+        self.host.apply_plan(plan)
+        if gather is not None:
+            gather.load()
 
     def _newest(
         self, load: Callable[[], LoadedCheckpoint], misfits: list[DoesNotFit]
@@ -302,11 +336,12 @@ class DataParallel(Strategy):
             self._done_restoring()
             return 0
         plan: restoring.RestorePlan | None = None
+        gather: Gather | None = None
         try:
             if not self.leads:
                 chosen = store.load(step)
             assert chosen is not None
-            plan = self._plan(chosen)
+            plan, gather = self._prepare(chosen)
         except Exception as exc:
             error = exc
         (failed,) = group.agree([error is not None])
@@ -320,7 +355,7 @@ class DataParallel(Strategy):
                 "put it on a shared file system or an object store; see the failing rank's log",
             )
         assert plan is not None
-        self.host.apply_plan(plan)
+        self._apply(plan, gather)
         return self._done_restoring()
 
 
@@ -328,6 +363,25 @@ class Sharded(Strategy):
     """Sharded state (FSDP2, DTensor): every rank writes and loads its own shards of the
     sharded objects, rank 0 the rest of the state, in one checkpoint. Saves always block:
     the write is a collective of all ranks, which must not run in a background thread."""
+
+    gathers = False  # each rank loads its own shards through DCP
+
+    def _prepare(self, loaded: LoadedCheckpoint) -> tuple[restoring.RestorePlan, Gather | None]:
+        plan, _ = super()._prepare(loaded)
+        sharded = self.host.sharded_objects()
+        plain = [n for n in plan.saved.sharded if n in self.host.objects and n not in sharded]
+        if plain:
+            optimizer_extras.shrink_groups(plan.grown)
+            raise DoesNotFit(
+                f"the checkpoint of step {loaded.step} holds {plain[0]!r} sharded, and here it "
+                "is not sharded while other objects are",
+                where=loaded.location,
+                fix=f"shard {plain[0]!r} as in the run that saved it, or restore it in a job "
+                "without sharded objects (one process, or data parallel), which gathers it",
+                step=loaded.step,
+                differences=[f"{plain[0]} is sharded in the checkpoint, not here"],
+            )
+        return plan, None
 
     def save(
         self, step: int, epoch: int, metrics: dict[str, float], *, background: bool

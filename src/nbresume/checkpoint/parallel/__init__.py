@@ -12,6 +12,7 @@ from __future__ import annotations
 from nbresume.checkpoint.parallel.distributed import Group
 from nbresume.checkpoint.parallel.distributed import current as current_group
 from nbresume.checkpoint.parallel.sharded import (
+    Gather,
     is_sharded_object,
     load_sharded,
     loadable_state,
@@ -19,6 +20,7 @@ from nbresume.checkpoint.parallel.sharded import (
 )
 
 __all__ = [
+    "Gather",
     "Group",
     "current_group",
     "is_sharded_object",

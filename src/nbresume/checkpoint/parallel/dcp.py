@@ -15,7 +15,7 @@ import contextlib
 import io
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -230,30 +230,37 @@ def make_load_planner() -> Any:
 
 
 def make_reader(
-    store: CheckpointStore,
+    store: CheckpointStore | None,
     *,
     name: str,
     manifest: Manifest,
     metadata: Metadata,
     stem: str,
     group: Ranks,
+    preloaded: Mapping[str, dict[str, Any]] | None = None,
 ) -> Any:
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
     from torch.distributed.checkpoint.storage import StorageReader
     from torch.futures import Future
+
+    def where_of(file_name: str) -> str:
+        """The file's place, for messages (``name`` is the folder itself without a store)."""
+        return f"{name}/{file_name}" if store is None else store.backend.child(name, file_name)
 
     class Reader(StorageReader):
         """Reads each shard file once, checks it against the manifest, then parses those bytes.
 
         Every file the local plan needs is read and checked in ``prepare_local_plan``: DCP
         runs that on every rank before any rank copies a tensor, so a bad file stops the load
-        everywhere before anything was loaded.
+        everywhere before anything was loaded. With ``preloaded`` (file name -> its tensors or
+        values, read and checked already: a checkpoint read whole in one process) nothing
+        is read.
         """
 
         def __init__(self) -> None:
             super().__init__()
             self.storage_data: dict[Any, _Location] = metadata.storage_data
-            self.files: dict[str, dict[str, Any]] = {}
+            self.files: dict[str, dict[str, Any]] = dict(preloaded or {})
             self.problem = ""
 
         def reset(self, checkpoint_id: Any = None) -> None:
@@ -268,6 +275,8 @@ def make_reader(
             pass
 
         def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+            if preloaded is not None:
+                return plan
             needed = sorted({self.storage_data[item.storage_index].file for item in plan.items})
             # The shard files no plan reads are still checked, each by one rank in turn.
             shards = sorted(
@@ -286,15 +295,16 @@ def make_reader(
 
         def _read(self, file_name: str) -> memoryview:
             entry = manifest.files.get(file_name)
-            where = store.backend.child(name, file_name)
+            where = where_of(file_name)
             if entry is None:
                 raise CorruptCheckpointError(
                     "the sharded metadata names a file the manifest does not list", where=where
                 )
+            assert store is not None, "a preloaded reader reads nothing"
             return read_verified(store, name, file_name, entry)
 
         def _parse(self, file_name: str, buffer: memoryview) -> dict[str, Any]:
-            where = store.backend.child(name, file_name)
+            where = where_of(file_name)
             if file_name.endswith(".safetensors"):
                 return tensorfile.decode(buffer, where=where, framework="torch")
             values = parse_json(buffer, where=where)
@@ -306,9 +316,19 @@ def make_reader(
             return plans
 
         def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+            try:
+                self._read_items(plan, planner)
+            except CorruptCheckpointError as exc:
+                self.problem = str(exc)  # damage, passed over as such: not a misfit
+                raise
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
+
+        def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
             for item in plan.items:
                 location = self.storage_data[item.storage_index]
-                where = store.backend.child(name, location.file)
+                where = where_of(location.file)
                 if location.file not in self.files:  # a plan changed after its local step
                     self.files[location.file] = self._parse(
                         location.file, self._read(location.file)
@@ -339,9 +359,6 @@ def make_reader(
                     )
                 target.copy_(piece)
                 planner.commit_tensor(item, target)
-            future: Future[None] = Future()
-            future.set_result(None)
-            return future
 
         @classmethod
         def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -394,6 +411,18 @@ def encode_metadata(metadata: Metadata, results: list[list[Any]]) -> bytes:
 
 def decode_metadata(data: bytes, *, where: str, manifest: Manifest) -> Metadata:
     """Parse the metadata file strictly: anything unexpected is a corrupt checkpoint."""
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpointError(
+            "invalid sharded metadata: not valid UTF-8 JSON", where=where
+        ) from None
+    return metadata_of(document, where=where, manifest=manifest)
+
+
+def metadata_of(document: Any, *, where: str, manifest: Manifest) -> Metadata:
+    """DCP's metadata from the parsed metadata document, checked strictly: anything
+    unexpected is a corrupt checkpoint."""
     import torch
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -421,10 +450,6 @@ def decode_metadata(data: bytes, *, where: str, manifest: Manifest) -> Metadata:
             raise bad(f"the file of {fqn!r} is not one the manifest lists")
         return _Location(file, key)
 
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise bad("not valid UTF-8 JSON") from None
     if not isinstance(document, dict) or document.get("format") != METADATA_FORMAT:
         raise bad(f"'format' is not {METADATA_FORMAT!r}")
     version = document.get("format_version")

@@ -64,6 +64,7 @@ from nbresume.checkpoint.format import (
 from nbresume.checkpoint.parallel.dcp import (
     DEFAULT_STEM,
     Ranks,
+    Solo,
     dcp_without_group,
     decode_metadata,
     is_sharded_file,
@@ -72,6 +73,7 @@ from nbresume.checkpoint.parallel.dcp import (
     make_save_planner,
     make_writer,
     metadata_name,
+    metadata_of,
     problem_text,
     problems_of,
     quiet_single_process,
@@ -79,12 +81,14 @@ from nbresume.checkpoint.parallel.dcp import (
     read_verified,
     shard_names,
 )
+from nbresume.checkpoint.state import DoesNotFit, restoring
 from nbresume.checkpoint.store import (
     CheckpointInfo,
     CheckpointStore,
     LoadedCheckpoint,
     PendingCheckpoint,
     check_bytes,
+    check_checkpoint,
     decode_files,
     encode,
     newest_that_loads,
@@ -399,6 +403,22 @@ def _load_folder(
         # The files outside the shards, which every rank loads (small: state.json, RNGs).
         others = {n: e for n, e in manifest.files.items() if not is_sharded_file(n, stem)}
         decode_files(store.backend, folder, store.read_files(folder, others), loaded)
+        # Complete and consistent (every tensor covered once by chunks that are in their
+        # files), from the metadata and the shard files' headers, before a shard is read.
+        # Rank 0 reads the headers (the others check the rest): its verdict reaches them all.
+        shard_files = {
+            n: e
+            for n, e in manifest.files.items()
+            if is_sharded_file(n, stem) and n.endswith(".safetensors")
+        }
+        headers = store.read_headers(folder, shard_files) if group.rank == 0 else {}
+        check_checkpoint(
+            manifest,
+            location=loaded.location,
+            documents={**loaded.data, meta_name.removesuffix(".json"): json.loads(shared)},
+            tensors={**loaded.tensors, **headers},
+            state=loaded.state,
+        )
         if check is not None:
             check(loaded)
     except CheckpointError as exc:
@@ -436,8 +456,128 @@ def _load_folder(
     return loaded
 
 
+# -- a sharded checkpoint into plain objects, in one process --------------------------------
+
+
+class Gather:
+    """The sharded state of a checkpoint read whole (every rank's shard files in
+    ``loaded.tensors``, as :meth:`CheckpointStore.load` reads it) put into plain, unsharded
+    objects: what a sharded restore does when the number of ranks changes, here for one
+    process without a process group (each process of a replicated job does the same).
+
+    Made from the checkpoint and the live objects, it checks without changing anything that
+    every object the checkpoint says is sharded fits what its metadata records (names, sizes,
+    dtypes), raising :class:`~nbresume.checkpoint.state.DoesNotFit` otherwise (an optimizer
+    that has not stepped yet is given zeroed state to receive the saved one, as DCP does:
+    :meth:`undo` takes it back). :meth:`load` then copies every chunk into place, each
+    tensor whole, and loads each object's state.
+    """
+
+    def __init__(
+        self, loaded: LoadedCheckpoint, objects: Mapping[str, Any], *, stem: str = DEFAULT_STEM
+    ) -> None:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        saved = loaded.state
+        self.loaded = loaded
+        self.stem = stem
+        names = [n for n in (saved.sharded if saved is not None else []) if n in objects]
+        self.objects = {n: objects[n] for n in names}
+        where = f"{loaded.location}/{metadata_name(stem)}"
+        document = loaded.data.get(metadata_name(stem).removesuffix(".json"))
+        if names and document is None:
+            raise CorruptCheckpointError(f"{metadata_name(stem)} is missing", where=where)
+        self.metadata = (
+            metadata_of(document, where=where, manifest=loaded.manifest) if names else None
+        )
+        self.fresh = [o for o in self.objects.values() if _is_optimizer(o) and not o.state]
+        self.states = {n: loadable_state(o) for n, o in self.objects.items()}
+        if self.metadata is None:
+            return
+        items = self.metadata.state_dict_metadata
+        flat, _ = flatten_state_dict(dict(self.states))
+        differences = []
+        for fqn, value in flat.items():
+            saved_item = items.get(fqn)
+            if saved_item is None:
+                differences.append(f"{fqn} is here, not in the checkpoint")
+            elif isinstance(saved_item, TensorStorageMetadata):
+                size, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+                if size != saved_item.size or dtype != saved_item.properties.dtype:
+                    differences.append(
+                        f"{fqn} is {list(saved_item.size)} "
+                        f"{str(saved_item.properties.dtype).removeprefix('torch.')} in the "
+                        f"checkpoint, {_described(value)} here"
+                    )
+        differences += [
+            f"{fqn} is in the checkpoint, not here"
+            for fqn in items
+            if fqn not in flat and fqn.split(".", 1)[0] in self.objects
+        ]
+        if differences:
+            self.undo()
+            shown = "; ".join(differences[:8])
+            more = f"; and {len(differences) - 8} more" if len(differences) > 8 else ""
+            raise DoesNotFit(
+                f"the sharded state of step {loaded.step} does not fit the objects given: "
+                f"{shown}{more}",
+                where=where,
+                fix="build the model and optimizer exactly as in the run that saved it (the "
+                "number of processes and the sharding may differ)",
+                step=loaded.step,
+                differences=differences,
+            )
+
+    def undo(self) -> None:
+        """Take back the zeroed state given to optimizers that had not stepped."""
+        for optimizer in self.fresh:
+            optimizer.state.clear()
+
+    def load(self) -> None:
+        """Copy every chunk into the objects' tensors, then load each object's state."""
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        if self.metadata is None:
+            return
+        files = {
+            name: self.loaded.tensors[stem]
+            if name.endswith(".safetensors")
+            else self.loaded.data[stem]
+            for name in self.loaded.manifest.files
+            if is_sharded_file(name, self.stem) and name != metadata_name(self.stem)
+            for stem in [name.rsplit(".", 1)[0]]
+        }
+        reader = make_reader(
+            None,
+            name=self.loaded.location,
+            manifest=self.loaded.manifest,
+            metadata=self.metadata,
+            stem=self.stem,
+            group=Solo(),
+            preloaded=files,
+        )
+        with quiet_single_process():
+            load(self.states, storage_reader=reader, planner=make_load_planner(), no_dist=True)
+        for name, state in self.states.items():
+            restoring.load_object(name, self.objects[name], state)
+
+
+def _is_optimizer(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.optim.Optimizer)
+
+
+def _described(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
+
+
 __all__ = [
     "DEFAULT_STEM",
+    "Gather",
     "has_sharded_tensors",
     "is_sharded",
     "is_sharded_file",

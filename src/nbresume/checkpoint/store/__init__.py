@@ -3,7 +3,8 @@
 Above :mod:`~nbresume.checkpoint.format` and :mod:`~nbresume.checkpoint.backends`:
 :mod:`.pending` (a checkpoint being written, and its commit), :mod:`.hashing` (files written
 and read while they are hashed), :mod:`.reading` (verified reads, verification and the reading
-policy), :mod:`.info` (what the store reports), :mod:`.store` (:class:`CheckpointStore`:
+policy), :mod:`.verdict` (whether a checkpoint is complete and consistent, for every reader),
+:mod:`.info` (what the store reports), :mod:`.store` (:class:`CheckpointStore`:
 retention, the newest checkpoint that verifies), :mod:`.lease` (the writer
 lease and its holder).
 
@@ -45,6 +46,7 @@ from nbresume.checkpoint.store.reading import (
     verify_folder,
 )
 from nbresume.checkpoint.store.store import CheckpointStore, KeepBest, verify
+from nbresume.checkpoint.store.verdict import check_checkpoint, check_loaded
 
 __all__ = [
     "FUTURE_TOLERANCE_S",
@@ -61,7 +63,9 @@ __all__ = [
     "WriterLease",
     "acquire_writer_lease",
     "check_bytes",
+    "check_checkpoint",
     "check_hashes",
+    "check_loaded",
     "decode_files",
     "default_hash",
     "encode",

@@ -70,6 +70,7 @@ from nbresume.checkpoint.store.hashing import (
     read_unsized,
 )
 from nbresume.checkpoint.store.info import LoadedCheckpoint, VerifyResult
+from nbresume.checkpoint.store.verdict import check_checkpoint, check_loaded
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 
 
@@ -258,7 +259,10 @@ def check_contents(store: Store, name: str, manifest: Manifest, heads: Mapping[s
             specs[RNG_FILE] = tensorfile.decode(raw, where=where, framework="numpy")
         except CheckpointError as exc:
             raise CorruptCheckpointError(exc.message, where=where) from None
-    decode_state(documents, specs, where=store.child(name, f"{STATE_FILE}.json"))
+    state = decode_state(documents, specs, where=store.child(name, f"{STATE_FILE}.json"))
+    check_checkpoint(
+        manifest, location=store.child(name), documents=documents, tensors=specs, state=state
+    )
 
 
 def read_verified(
@@ -629,6 +633,7 @@ def load_folder(
         buffers = read_verified(store, name, {n: e for n, e in files.items() if n not in tensors})
         buffers.update({n: read_specs(store, name, n, e) for n, e in tensors.items()})
         decode_files(store, name, buffers, heads, framework)
+        check_loaded(heads)  # complete and consistent, before a byte of a tensor is read
         try:
             fits(heads)
         except CorruptCheckpointError:
@@ -639,6 +644,8 @@ def load_folder(
     else:
         buffers = read_verified(store, name, files, devices)
     decode_files(store, name, buffers, loaded, framework)
+    if fits is None:
+        check_loaded(loaded)
     return loaded
 
 

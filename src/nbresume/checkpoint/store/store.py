@@ -189,6 +189,16 @@ class CheckpointStore:
         returned only after its size and hashes matched (CorruptCheckpointError otherwise)."""
         return reading.read_verified(self.backend, name, files)
 
+    def read_headers(self, name: str, files: Mapping[str, FileEntry]) -> dict[str, Any]:
+        """The header of each tensor file of ``files`` in the checkpoint folder ``name``, by
+        its stem: each tensor's dtype and shape
+        (:class:`~nbresume.checkpoint.format.TensorSpec`), checked against the size ``files``
+        records (CorruptCheckpointError otherwise); only the first bytes of each file are read."""
+        return {
+            file_name.rsplit(".", 1)[0]: reading.read_specs(self.backend, name, file_name, entry)
+            for file_name, entry in files.items()
+        }
+
     def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints (a manifest that parses), oldest first. Nothing is hashed."""
         infos = []

@@ -1,0 +1,282 @@
+"""One verdict: every reader of the package says the same of every hostile folder of the tests.
+
+Each folder holds an older checkpoint that is good and a newer one that is damaged (or, for
+the control rows, intact). Every reader a user runs on such a folder (``nbresume verify``,
+``restore()``, ``CheckpointStore.load`` (what push and Lightning's ``CheckpointIO`` read
+through), ``nbresume pull``, ``nbresume.hf.last_checkpoint``, the Lightning reader) runs on it
+in one bounded child process per kind of folder, and each reader's verdict on the newer
+checkpoint is read from what it did: it took it (``OK``) or passed it over (``passed over``:
+failed it naming it, took the older one, or refused it when it was the only one). Every row
+must get one verdict from every reader, the one its damage calls for.
+
+The corpus: the damages of ``test_hostile_folders.py`` (Trainer folders, generator states,
+Lightning documents, what a checkpoint can make a reader allocate), the counters of
+``test_verdict.py``, and the sharded metadata of ``distributed/test_sharded.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tests.distributed.test_sharded import SHARDED_DAMAGES, Cluster, assert_ended_well
+from tests.test_hostile_folders import (
+    BUDGET,
+    CHILD,
+    LIGHTNING_DAMAGES,
+    MEMORY_DAMAGES,
+    RNG_DAMAGES,
+    TRAINER_DAMAGES,
+    edit_rng,
+    failed_lines,
+    lightning_ckpt,
+    trainer_checkpoint,
+)
+from tests.test_loadable import reseal
+from tests.test_verdict import DAMAGES as COUNTER_DAMAGES
+from tests.test_verdict import edit_state
+from torch.utils.data import DataLoader, TensorDataset
+
+from nbresume.pull import SAFE_LINE
+
+pytestmark = pytest.mark.slow
+
+OK, PASSED_OVER = "OK", "passed over"
+INTACT = "intact (the control)"
+
+
+def run_ops(ops: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The reports of ``ops`` run in one child of bounded memory (``hostile_child.py``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(CHILD.parent.parent / "src"), env.get("PYTHONPATH", "")]
+    )
+    done = subprocess.run(
+        [sys.executable, str(CHILD), str(BUDGET), *[part for op in ops for part in op]],
+        capture_output=True,
+        text=True,
+        timeout=60 + 5 * len(ops),
+        env=env,
+    )
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, output
+    assert "Traceback" not in done.stdout + done.stderr, output
+    reports: list[dict[str, Any]] = json.loads(done.stdout.splitlines()[-1])["reports"]
+    return reports
+
+
+def verdict(report: dict[str, Any], good: tuple[int, str], newer: tuple[int, str]) -> str:
+    """What one reader did with the newer checkpoint of a folder whose older one (``good``)
+    is intact: each a (step, folder name or path)."""
+    op, result = report["op"], report["result"]
+    text = report["out"] + "\n".join(report["warnings"])
+    name = newer[1].rsplit("/", 1)[-1]
+    if op == "verify":
+        failed = failed_lines(report)
+        if result == 0 and not failed:
+            return OK
+        if result == 1 and len(failed) == 1 and name in failed[0]:
+            return PASSED_OVER
+    elif op == "pull":
+        if result == 0 and SAFE_LINE in report["out"]:
+            return OK
+        if result == 1 and f"FAIL  {newer[1]}" in text and f"OK    {good[1]}" in text:
+            return PASSED_OVER
+    elif op in ("restore", "restore-plain", "load"):
+        if result == newer[0]:
+            return OK
+        skipped = [w for w in report["warnings"] if "skipped" in w and name in w]
+        if result == good[0] and skipped:
+            return PASSED_OVER
+        if str(result).startswith("error: no checkpoint verifies") and name in str(result):
+            return PASSED_OVER  # the store holds the newer checkpoint alone
+    elif op in ("hf", "lightning"):
+        if result == newer[1]:
+            return OK
+        if result == good[1]:
+            return PASSED_OVER
+    return f"{op} did something else: {result!r} {text[-600:]!r}"
+
+
+def check_table(rows: dict[str, list[str]]) -> None:
+    """Every row got one verdict from every reader: OK for the control, else passed over."""
+    wrong = {
+        name: verdicts
+        for name, verdicts in rows.items()
+        if set(verdicts) != {OK if name == INTACT else PASSED_OVER}
+    }
+    assert not wrong, "\n".join(f"{name}: {verdicts}" for name, verdicts in wrong.items())
+
+
+# -- a Checkpointer's run ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of :func:`hostile_child.build` saved at steps 10 and 20 with a data loader's
+    position (3 and 6 batches into its first epoch)."""
+    from tests.hostile_child import build
+
+    from nbresume import Checkpointer
+
+    folder = tmp_path_factory.mktemp("template") / "run"
+    model, optimizer = build()
+    loader = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4, shuffle=True)
+    ckpt = Checkpointer(
+        folder, model=model, optimizer=optimizer, loader=loader, every=None, deadline=None,
+        async_save=False, keep=None, quiet=True,
+    )  # fmt: skip
+    for index, _ in enumerate(ckpt.loader(), start=1):
+        if index == 3:
+            ckpt.save(10)
+        if index == 6:
+            ckpt.save(20)
+            break
+    ckpt.close()
+    return folder
+
+
+def with_reseal(damage: Callable[[Path], str]) -> Callable[[Path], None]:
+    def damaged(folder: Path) -> None:
+        damage(folder)
+        reseal(folder)
+
+    return damaged
+
+
+RUN_DAMAGES: dict[str, Callable[[Path], Any]] = {
+    INTACT: lambda folder: None,
+    "model.safetensors missing": lambda folder: (folder / "model.safetensors").unlink(),
+    **{name: (lambda f, c=change: edit_rng(f, c)) for name, change in RNG_DAMAGES.items()},
+    **{name: with_reseal(damage) for name, damage in MEMORY_DAMAGES.items()},
+    **{
+        name: (lambda f, c=change: edit_state(f, c))
+        for name, (change, _) in COUNTER_DAMAGES.items()
+    },
+}
+
+
+def test_every_reader_gives_a_checkpointer_s_run_the_same_verdict(
+    run_template: Path, tmp_path: Path
+) -> None:
+    ops, rows = [], list(RUN_DAMAGES)
+    for index, name in enumerate(rows):
+        run = Path(shutil.copytree(run_template, tmp_path / f"run{index}"))
+        RUN_DAMAGES[name](run / "000000000020")
+        ops += [("verify", str(run)), ("restore", str(run)), ("load", str(run))]
+        ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
+    reports = run_ops(ops)
+    good, newer = (10, "000000000010"), (20, "000000000020")
+    check_table(
+        {
+            name: [verdict(r, good, newer) for r in reports[4 * index : 4 * index + 4]]
+            for index, name in enumerate(rows)
+        }
+    )
+
+
+# -- a run two FSDP2 ranks saved, read in one process ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Checkpointer's run of an FSDP2 model and optimizer on two ranks, steps 2 and 3."""
+    base = tmp_path_factory.mktemp("fsdp2")
+    cluster = Cluster()
+    try:
+        lines = cluster.run("train", base / "run", base, "--total", 6, "--stop-after", 3)
+    finally:
+        cluster.close()
+    assert_ended_well(lines)
+    return base / "run"
+
+
+def shards_removed(folder: Path) -> None:
+    """The sharded files gone and out of the manifest: what is left hashes right, and its
+    state.json still says the model and optimizer are sharded."""
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for name in [n for n in manifest["files"] if n.startswith("sharded.")]:
+        del manifest["files"][name]
+        (folder / name).unlink()
+    path.write_text(json.dumps(manifest))
+
+
+def sharded_object_unknown(folder: Path) -> None:
+    def change(state: dict[str, Any]) -> None:
+        state["sharded"] = [*state["sharded"], "ema"]
+
+    edit_state(folder, change)
+
+
+def test_every_reader_gives_a_sharded_run_the_same_verdict(
+    sharded_template: Path, tmp_path: Path
+) -> None:
+    damages: dict[str, Callable[[Path], Any]] = {
+        INTACT: lambda folder: None,
+        **SHARDED_DAMAGES,
+        "the sharded files removed, and the manifest's entries": shards_removed,
+        "a sharded object the metadata does not hold": sharded_object_unknown,
+    }
+    ops, rows = [], list(damages)
+    for index, name in enumerate(rows):
+        run = Path(shutil.copytree(sharded_template, tmp_path / f"run{index}"))
+        damages[name](run / "000000000003")
+        ops += [("verify", str(run)), ("restore-plain", str(run)), ("load", str(run))]
+        ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
+    reports = run_ops(ops)
+    good, newer = (2, "000000000002"), (3, "000000000003")
+    check_table(
+        {
+            name: [verdict(r, good, newer) for r in reports[4 * index : 4 * index + 4]]
+            for index, name in enumerate(rows)
+        }
+    )
+
+
+# -- the frameworks' folders --------------------------------------------------------------------
+
+
+def test_every_reader_gives_a_trainer_s_output_dir_the_same_verdict(tmp_path: Path) -> None:
+    damages: dict[str, Callable[[Path], Any]] = {INTACT: lambda folder: None, **TRAINER_DAMAGES}
+    ops, rows = [], list(damages)
+    for index, name in enumerate(rows):
+        out = tmp_path / f"out{index}"
+        trainer_checkpoint(out, 2)
+        damages[name](trainer_checkpoint(out, 4))
+        ops += [("verify", str(out)), ("hf", str(out))]
+    reports = run_ops(ops)
+    table = {}
+    for index, name in enumerate(rows):
+        out = tmp_path / f"out{index}"
+        good, newer = (2, str(out / "checkpoint-2")), (4, str(out / "checkpoint-4"))
+        table[name] = [verdict(r, good, newer) for r in reports[2 * index : 2 * index + 2]]
+    check_table(table)
+    assert not any(p.name == "ran" for p in tmp_path.iterdir())  # nothing in a pickle ran
+
+
+def test_every_reader_gives_a_lightning_folder_the_same_verdict(tmp_path: Path) -> None:
+    damages: dict[str, Callable[[Path], Any]] = {INTACT: lambda folder: None, **LIGHTNING_DAMAGES}
+    ops, rows = [], list(damages)
+    for index, name in enumerate(rows):
+        folder = tmp_path / f"checkpoints{index}"
+        lightning_ckpt(folder / "epoch=0-step=2.ckpt", 2)
+        damages[name](lightning_ckpt(folder / "epoch=0-step=4.ckpt", 4))
+        ops += [("verify", str(folder)), ("lightning", str(folder))]
+        ops.append(("load", str(folder / "epoch=0-step=4.ckpt")))
+    reports = run_ops(ops)
+    table = {}
+    for index, name in enumerate(rows):
+        folder = tmp_path / f"checkpoints{index}"
+        good = (2, str(folder / "epoch=0-step=2.ckpt"))
+        newer = (4, str(folder / "epoch=0-step=4.ckpt"))
+        table[name] = [verdict(r, good, newer) for r in reports[3 * index : 3 * index + 3]]
+    check_table(table)
