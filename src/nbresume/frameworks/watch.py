@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.loop import (
     BoundaryFlags,
-    Cadence,
+    ControlledLoop,
     DurabilityWatcher,
     LoopControl,
     SaveFunction,
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("nbresume")
 
 
-class Watch:
+class Watch(ControlledLoop):
     """The panel's, the status line's and the stop machinery's view of a framework's loop.
 
     Args:
@@ -105,35 +105,6 @@ class Watch:
     # -- the loop control's, as the watch's own ------------------------------------------
 
     @property
-    def events(self) -> ev.EventBus:
-        """The bus every event of this loop goes through."""
-        return self.control.events
-
-    @property
-    def cadence(self) -> Cadence:
-        """What saves and steps were measured to cost (the framework decides when to save)."""
-        return self.control.cadence
-
-    @property
-    def durability(self) -> DurabilityWatcher | None:
-        """Follows checkpoints on a write-back store (Drive) until the durable copy matches."""
-        return self.control.durability
-
-    @property
-    def deadline(self) -> float | None:
-        """When the session ends (a Unix time), or ``None``."""
-        return self.control.deadline
-
-    @deadline.setter
-    def deadline(self, when: float | None) -> None:
-        self.control.deadline = when
-
-    @property
-    def deadline_source(self) -> str:
-        """What the deadline is called."""
-        return self.control.deadline_source
-
-    @property
     def started(self) -> bool:
         """Whether the framework's loop has begun (it has restored, if it resumes)."""
         return self.running or self.restored_step is not None
@@ -142,16 +113,6 @@ class Watch:
     def signum(self) -> int | None:
         """The stop signal received in the running loop (``None``: none)."""
         return self.control.signum
-
-    @property
-    def after_stop(self) -> Callable[[int, int], object] | None:
-        """Called after a stop-save on a signal, before the exit (a Slurm job asks to be
-        requeued): ``after_stop(signum, step)``."""
-        return self.control.after_stop
-
-    @after_stop.setter
-    def after_stop(self, action: Callable[[int, int], object] | None) -> None:
-        self.control.after_stop = action
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -216,20 +177,6 @@ class Watch:
     def save_requested(self) -> bool:
         """Whether a save was asked for since the last call (the flag is cleared)."""
         return self.control.take_save_request()
-
-    def request_save(self) -> None:
-        """Ask for a save at the next step boundary. Safe from any thread."""
-        self.control.request_save()
-
-    def request_stop(self, reason: str = "stop requested") -> None:
-        """Ask the loop to save at the next step boundary and stop. Safe from any thread."""
-        self.control.request_stop(reason)
-
-    @property
-    def stop_at(self) -> float | None:
-        """When the loop saves and stops for the deadline (a Unix time), with the margin as
-        measured now; ``None`` without a deadline."""
-        return self.control.stop_at
 
     # -- saves --------------------------------------------------------------------------
 

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from nbresume.checkpoint.loop.cadence import Cadence
 from nbresume.checkpoint.loop.checkpointer import Checkpointer
-from nbresume.checkpoint.loop.control import BoundaryFlags, LoopControl, RunningLoop
+from nbresume.checkpoint.loop.control import (
+    BoundaryFlags,
+    ControlledLoop,
+    LoopControl,
+    RunningLoop,
+)
 from nbresume.checkpoint.loop.deadline import check_deadline, resolve_deadline, session_started_at
 from nbresume.checkpoint.loop.durability import Confirmation, DurabilityWatcher, confirm
 from nbresume.checkpoint.loop.saver import SaveFunction, report_save
@@ -28,6 +33,7 @@ __all__ = [
     "Cadence",
     "Checkpointer",
     "Confirmation",
+    "ControlledLoop",
     "DurabilityWatcher",
     "LoopControl",
     "RunningLoop",

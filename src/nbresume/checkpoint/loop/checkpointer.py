@@ -34,9 +34,8 @@ from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import hooks
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
 from nbresume.checkpoint.format import flatten, parse_step_dirname
-from nbresume.checkpoint.loop.cadence import Cadence
-from nbresume.checkpoint.loop.control import BoundaryFlags, LoopControl
-from nbresume.checkpoint.loop.durability import Confirmation, DurabilityWatcher, confirm
+from nbresume.checkpoint.loop.control import BoundaryFlags, ControlledLoop, LoopControl
+from nbresume.checkpoint.loop.durability import Confirmation, confirm
 from nbresume.checkpoint.loop.epochloop import Epochs, LoopSteps
 from nbresume.checkpoint.loop.keywords import (
     check_arguments,
@@ -71,7 +70,7 @@ from nbresume.errors import FolderInUseError, LeaseLostError, StorageError, Usag
 log = logging.getLogger("nbresume")
 
 
-class Checkpointer:
+class Checkpointer(ControlledLoop):
     """Save and resume full training state, exactly.
 
     Args:
@@ -210,32 +209,6 @@ class Checkpointer:
     # -- the loop control's, as the Checkpointer's own -------------------------------------
 
     @property
-    def events(self) -> ev.EventBus:
-        """The bus every :class:`~nbresume.checkpoint.events.Event` of this Checkpointer
-        goes through."""
-        return self.control.events
-
-    @property
-    def cadence(self) -> Cadence:
-        """When the loops save (``every=``), and what saves and steps were measured to cost."""
-        return self.control.cadence
-
-    @property
-    def durability(self) -> DurabilityWatcher | None:
-        """Follows checkpoints on a write-back store (Drive) until the durable copy matches."""
-        return self.control.durability
-
-    @property
-    def deadline(self) -> float | None:
-        """When the session ends (a Unix time), or ``None``."""
-        return self.control.deadline
-
-    @property
-    def deadline_source(self) -> str:
-        """What the deadline is called (``"Kaggle's 12 h cap"``, ``"deadline="``)."""
-        return self.control.deadline_source
-
-    @property
     def started(self) -> bool:
         """Whether it has restored or saved (what it restores from is decided)."""
         return self._chosen is not None
@@ -244,16 +217,6 @@ class Checkpointer:
     def stop_reason(self) -> str:
         """Why the last loop stopped early (``""``: it did not)."""
         return self.control.stop_reason
-
-    @property
-    def after_stop(self) -> Callable[[int, int], object] | None:
-        """Called after a stop-save on a signal, before the exit (a Slurm job asks to be
-        requeued): ``after_stop(signum, step)``, by the process that leads the job."""
-        return self.control.after_stop
-
-    @after_stop.setter
-    def after_stop(self, action: Callable[[int, int], object] | None) -> None:
-        self.control.after_stop = action
 
     # -- registration ----------------------------------------------------------------------
 
@@ -632,23 +595,6 @@ class Checkpointer:
             control.save_asked = False
             self.save()
         return False
-
-    def request_save(self) -> None:
-        """Ask for a save at the next step boundary. Safe from any thread (a panel's button,
-        a handler): the save itself always happens in the training loop."""
-        self.control.request_save()
-
-    def request_stop(self, reason: str = "stop requested") -> None:
-        """Ask the running loop to save at the next step boundary and end cleanly, as before a
-        deadline (:attr:`done` stays false). Safe from any thread; a request made while no loop
-        runs is dropped when the next loop starts."""
-        self.control.request_stop(reason)
-
-    @property
-    def stop_at(self) -> float | None:
-        """When a loop saves and stops for the deadline (a Unix time), with the margin as
-        measured now; ``None`` without a deadline."""
-        return self.control.stop_at
 
     def _finish(self) -> None:
         self.done = True

@@ -274,6 +274,69 @@ class LoopControl:
             self.durability.close()
 
 
+class ControlledLoop:
+    """What a loop with a :class:`LoopControl` (the Checkpointer's, a framework's watch)
+    shows of it as its own: the events, the cadence, the deadline, the requests."""
+
+    control: LoopControl
+
+    @property
+    def events(self) -> ev.EventBus:
+        """The bus every :class:`~nbresume.checkpoint.events.Event` of this loop goes through."""
+        return self.control.events
+
+    @property
+    def cadence(self) -> Cadence:
+        """When the loop saves (``every=``), and what saves and steps were measured to cost."""
+        return self.control.cadence
+
+    @property
+    def durability(self) -> DurabilityWatcher | None:
+        """Follows checkpoints on a write-back store (Drive) until the durable copy matches."""
+        return self.control.durability
+
+    @property
+    def deadline(self) -> float | None:
+        """When the session ends (a Unix time), or ``None``."""
+        return self.control.deadline
+
+    @deadline.setter
+    def deadline(self, when: float | None) -> None:
+        self.control.deadline = when
+
+    @property
+    def deadline_source(self) -> str:
+        """What the deadline is called (``"Kaggle's 12 h cap"``, ``"deadline="``)."""
+        return self.control.deadline_source
+
+    @property
+    def stop_at(self) -> float | None:
+        """When the loop saves and stops for the deadline (a Unix time), with the margin as
+        measured now; ``None`` without a deadline."""
+        return self.control.stop_at
+
+    @property
+    def after_stop(self) -> Callable[[int, int], object] | None:
+        """Called after a stop-save on a signal, before the exit (a Slurm job asks to be
+        requeued): ``after_stop(signum, step)``, by the process that leads the job."""
+        return self.control.after_stop
+
+    @after_stop.setter
+    def after_stop(self, action: Callable[[int, int], object] | None) -> None:
+        self.control.after_stop = action
+
+    def request_save(self) -> None:
+        """Ask for a save at the next step boundary. Safe from any thread (a panel's button,
+        a handler): the save itself always happens in the training loop."""
+        self.control.request_save()
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask the running loop to save at the next step boundary and end cleanly, as before a
+        deadline (the run stays unfinished). Safe from any thread; a request made while no
+        loop runs is dropped when the next loop starts."""
+        self.control.request_stop(reason)
+
+
 @runtime_checkable
 class RunningLoop(Protocol):
     """What the notebook panel, the magics, the status line and ``nbresume status`` read of
@@ -312,4 +375,4 @@ class RunningLoop(Protocol):
     def latest(self) -> CheckpointInfo | None: ...
 
 
-__all__ = ["Agree", "BoundaryFlags", "LoopControl", "RunningLoop"]
+__all__ = ["Agree", "BoundaryFlags", "ControlledLoop", "LoopControl", "RunningLoop"]
