@@ -331,6 +331,9 @@ def test_what_a_script_leaves_running_when_it_exits_is_ended_with_it(tmp_path: P
 #: with the line that says why.
 HUGE_LOG = """
 import os
+
+# `nbresume check` runs the script it checks in processes of its own.
+pytestmark = pytest.mark.proc
 print("loading data", flush=True)
 os.ftruncate(1, os.fstat(1).st_size + (3 << 29))
 print("\\nthe last words: out of patience", flush=True)

@@ -25,6 +25,7 @@ NOT_DETECTION = {
     "CUBLAS_WORKSPACE_CONFIG",  # a setting deterministic=True makes, not a fact of the machine
     "KAGGLE_USERNAME",  # the kaggle client's credentials
     "KAGGLE_CONFIG_DIR",
+    "HF_ENDPOINT",  # which Hugging Face Hub a bucket URL reaches
 }
 
 

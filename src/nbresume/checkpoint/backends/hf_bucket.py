@@ -27,12 +27,12 @@ import json
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.backends.base import (
     FAILED,
     MISSING,
@@ -166,7 +166,7 @@ class HfBucketStore(Backend):
         self.api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None)
         self._staging = tempfile.TemporaryDirectory(prefix="nbresume-bucket-")
         self._hashes: dict[str, dict[str, tuple[int, str]]] = {}
-        self._lock = threading.Lock()
+        self._lock = forksafe.lock()
         self._writable = False
 
     @classmethod
