@@ -287,6 +287,7 @@ def assert_nothing_left(folder: Path, pids: list[int]) -> None:
     assert not folders, f"the check left its folders behind: {folders}"
 
 
+@pytest.mark.proc  # nbresume check runs the script in processes of its own
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ctrl_c_in_the_killed_run_ends_the_script_and_what_it_started_and_removes_the_folders(
     tmp_path: Path,
@@ -301,6 +302,7 @@ def test_ctrl_c_in_the_killed_run_ends_the_script_and_what_it_started_and_remove
         assert_nothing_left(tmp_path, pids)
 
 
+@pytest.mark.proc  # nbresume check runs the script in processes of its own
 @pytest.mark.slow  # the processes that ignore SIGTERM are given the whole grace
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_sigterm_ends_both_scripts_side_by_side_and_what_they_started_and_removes_the_folders(
@@ -316,6 +318,7 @@ def test_sigterm_ends_both_scripts_side_by_side_and_what_they_started_and_remove
         assert_nothing_left(tmp_path, pids)
 
 
+@pytest.mark.proc  # nbresume check runs the script in processes of its own
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_what_a_script_leaves_running_when_it_exits_is_ended_with_it(tmp_path: Path) -> None:
     with lingering_check(tmp_path, "hang-in=run1", "fail") as check:
@@ -332,8 +335,6 @@ def test_what_a_script_leaves_running_when_it_exits_is_ended_with_it(tmp_path: P
 HUGE_LOG = """
 import os
 
-# `nbresume check` runs the script it checks in processes of its own.
-pytestmark = pytest.mark.proc
 print("loading data", flush=True)
 os.ftruncate(1, os.fstat(1).st_size + (3 << 29))
 print("\\nthe last words: out of patience", flush=True)
