@@ -62,6 +62,8 @@ from nbresume.checkpoint.state import (
     is_generator,
     optimizer_extras,
     restoring,
+    unwrap,
+    unwrap_loader,
 )
 from nbresume.checkpoint.store import (
     CheckpointInfo,
@@ -208,6 +210,7 @@ class Checkpointer:
 
     def _register(self, name: str, value: Any) -> None:
         check_name(name)
+        value = unwrap(name, value)  # what accelerator.prepare() wrapped
         if self._trainable_only and restoring.is_module(value):
             value = TrainableOnly(value)
         if is_dataloader(value):
@@ -256,6 +259,11 @@ class Checkpointer:
                 return value
         if dataloader is None:
             raise UsageError("no DataLoader was given to the Checkpointer", fix="ckpt.loader(dl)")
+        dataloader = unwrap_loader("dataloader", dataloader)  # Accelerate's prepared loader
+        for value in self._objects.values():
+            if isinstance(value, ResumableLoader) and value.loader is dataloader:
+                value._on_batch = self._epoch_loop
+                return value
         made_in = self._epoch_loop.refuse_a_remade_loader(dataloader)
         name = "loader" if "loader" not in self._objects else f"loader{len(self._objects)}"
         wrapped = ResumableLoader(dataloader, seed=seed)

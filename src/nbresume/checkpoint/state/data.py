@@ -737,7 +737,11 @@ class ResumableLoader:
         loader = self.loader
         seed = epoch_seed(self.seed, self.epoch)
         sampler, batch_sampler = loader.sampler, loader.batch_sampler
-        custom_batches = batch_sampler is not None and type(batch_sampler) is not BatchSampler
+        # A batch sampler given to the DataLoader (its batch_size is then None) holds the
+        # order; loader.sampler is only the SequentialSampler torch fills in.
+        custom_batches = batch_sampler is not None and (
+            type(batch_sampler) is not BatchSampler or loader.batch_size is None
+        )
         source = batch_sampler if custom_batches else sampler
         for part in _sampler_parts(source):
             if hasattr(part, "set_epoch"):
