@@ -259,7 +259,7 @@ class Checkpointer:
                 return value
         if dataloader is None:
             raise UsageError("no DataLoader was given to the Checkpointer", fix="ckpt.loader(dl)")
-        dataloader = unwrap_loader("dataloader", dataloader)  # Accelerate's prepared loader
+        dataloader, place = unwrap_loader("dataloader", dataloader)  # Accelerate's loader
         for value in self._objects.values():
             if isinstance(value, ResumableLoader) and value.loader is dataloader:
                 value._on_batch = self._epoch_loop
@@ -267,6 +267,7 @@ class Checkpointer:
         made_in = self._epoch_loop.refuse_a_remade_loader(dataloader)
         name = "loader" if "loader" not in self._objects else f"loader{len(self._objects)}"
         wrapped = ResumableLoader(dataloader, seed=seed)
+        wrapped.place = place
         wrapped._on_batch = self._epoch_loop
         wrapped._created_in = made_in
         self._objects[name] = wrapped

@@ -656,6 +656,9 @@ class ResumableLoader:
         self.data_wait = DataWait()
         self.data_wait.num_workers = getattr(loader, "num_workers", None)
         self.data_wait.pin_memory = getattr(loader, "pin_memory", None)
+        #: What each batch goes through as it is handed out (moving it to a device, as an
+        #: Accelerate loader this one stands for did); ``None``: nothing.
+        self.place: Callable[[Any], Any] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -855,7 +858,7 @@ class ResumableLoader:
             rest, _ = self._rest_of_epoch()
         for batch in rest:
             self.position += 1
-            yield batch
+            yield batch if self.place is None else self.place(batch)
         self.epoch, self.position = self.epoch + 1, 0
 
     def _epoch_pass(self, loop: EpochLoop, key: tuple[int, int]) -> Iterator[Any]:
@@ -875,7 +878,7 @@ class ResumableLoader:
             self.position += 1
             loop._batch_given(self)
             try:
-                yield batch
+                yield batch if self.place is None else self.place(batch)
             except GeneratorExit:
                 # Closed at the yield: the consumer left (break, or zip ended on another
                 # loader). Only noted here: a generator can be closed late, by the garbage

@@ -6,15 +6,19 @@ so it has no step hooks of its own), an ``AcceleratedScheduler``, and a ``DataLo
 or ``DataLoaderDispatcher`` (an adapter around a DataLoader whose sampler Accelerate has
 split across the processes). Their state is that of what they wrap: the optimizer, the
 scheduler, the DataLoader's data. nbresume takes the wrapped object, so a prepared object
-can be given to a Checkpointer (and to ``ck.loader()``) as it is; the prepared model is a
+can be given to a Checkpointer (and to ``ck.loader()``) as it is, and a prepared loader's
+batches still come on its device; the prepared model is a
 module (``DistributedDataParallel`` under several processes) and needs nothing.
 
-Accelerate is never imported here: its objects are known by their type's name and module.
+Accelerate's objects are known by their type's name and module; Accelerate itself is
+imported only to move a prepared loader's batches to its device, as the loader did.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from nbresume.errors import UsageError
@@ -28,14 +32,20 @@ def _accelerate_type(value: Any) -> str:
 
 def unwrap(name: str, value: Any) -> Any:
     """What nbresume saves for ``value``, given as ``name``: the object an Accelerate
-    wrapper holds, or ``value`` itself. Raises :class:`UsageError` for what it cannot take."""
+    wrapper holds (a prepared loader: nbresume's resumable loader over the DataLoader it
+    reads), or ``value`` itself. Raises :class:`UsageError` for what it cannot take."""
     kind = _accelerate_type(value)
     if kind == "AcceleratedOptimizer":
         return value.optimizer
     if kind == "AcceleratedScheduler":
         return value.scheduler
     if kind in ("DataLoaderShard", "DataLoaderDispatcher"):
-        return unwrap_loader(name, value)
+        from nbresume.checkpoint.state.data import ResumableLoader
+
+        base, place = unwrap_loader(name, value)
+        resumable = ResumableLoader(base)
+        resumable.place = place
+        return resumable
     torch = sys.modules.get("torch")
     if (
         torch is not None
@@ -56,13 +66,14 @@ def unwrap(name: str, value: Any) -> Any:
     return value
 
 
-def unwrap_loader(name: str, value: Any) -> Any:
+def unwrap_loader(name: str, value: Any) -> tuple[Any, Callable[[Any], Any] | None]:
     """The DataLoader an Accelerate ``DataLoaderShard`` reads (its sampler split across the
-    processes by Accelerate), for nbresume's resumable loader; ``value`` itself when it is
-    no Accelerate loader."""
+    processes by Accelerate), for nbresume's resumable loader, and what moves each batch to
+    the device as the shard does (``None``: nothing); ``(value, None)`` for any other
+    loader."""
     kind = _accelerate_type(value)
     if kind not in ("DataLoaderShard", "DataLoaderDispatcher"):
-        return value
+        return value, None
     base = getattr(value, "base_dataloader", None)
     if kind == "DataLoaderDispatcher" and _processes() > 1:
         raise UsageError(
@@ -79,14 +90,12 @@ def unwrap_loader(name: str, value: Any) -> Any:
             "prepare the DataLoader without use_stateful_dataloader",
         )
     device = getattr(value, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
-        raise UsageError(
-            f"{name}= is an Accelerate {kind} that moves its batches to {device}: nbresume's "
-            "resumable loader hands them out as the DataLoader makes them, on the CPU",
-            fix="prepare the DataLoader with Accelerator(device_placement=False) and move "
-            "each batch with batch.to(accelerator.device)",
-        )
-    return base
+    if device is None:
+        return base, None
+    from accelerate.utils import send_to_device
+
+    non_blocking = bool(getattr(value, "_non_blocking", False))
+    return base, functools.partial(send_to_device, device=device, non_blocking=non_blocking)
 
 
 def _processes() -> int:
