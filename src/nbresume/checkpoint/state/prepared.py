@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from nbresume.checkpoint.state.data import ResumableLoader
 from nbresume.errors import UsageError
 
 
@@ -40,8 +41,6 @@ def unwrap(name: str, value: Any) -> Any:
     if kind == "AcceleratedScheduler":
         return value.scheduler
     if kind in ("DataLoaderShard", "DataLoaderDispatcher"):
-        from nbresume.checkpoint.state.data import ResumableLoader
-
         base, place = unwrap_loader(name, value)
         resumable = ResumableLoader(base)
         resumable.place = place
