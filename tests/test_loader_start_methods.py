@@ -6,7 +6,8 @@ user's dataset class again. ``train_loader_workers.py`` trains through ``ck.load
 ``num_workers=2`` under each start method, augmenting every sample from the global RNGs; a
 run is killed with SIGKILL mid-epoch and restarted until done, and its final weights and
 optimizer state must be bit-identical to an uninterrupted run. The uninterrupted run forks its
-workers: what a sample's randomness is does not depend on how its worker started.
+workers: what a sample's randomness is does not depend on how its worker started. The same
+holds for randomness drawn per batch in the workers, by a ``collate_fn`` or ``__getitems__``.
 """
 
 from __future__ import annotations
@@ -108,14 +109,20 @@ class WorkerRuns(Zygote):
         self.survivors: dict[int, str] = {}
 
     def train(
-        self, folder: Path, start_method: str, *, kill_at: int | None = None, linger: float = 0
+        self,
+        folder: Path,
+        start_method: str,
+        *,
+        kill_at: int | None = None,
+        linger: float = 0,
+        kind: str = "sample",
     ) -> tuple[int, str]:
         """Train in ``folder``; with ``kill_at``, SIGKILL the trainer once it has reported
         that step. Returns (exit status, what the trainer and its workers printed). With
         ``linger``, what the trainer left is given that long to end by itself first; what
         was still there is kept in :attr:`survivors`."""
         self.linger = linger
-        command = {"folder": str(folder), "start_method": start_method}
+        command = {"folder": str(folder), "start_method": start_method, "kind": kind}
         kill_when = None if kill_at is None else reached(kill_at)
         return self.run(command, kill_when=kill_when, pause=0.05)
 
@@ -176,6 +183,33 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(
     assert final.keys() == reference.keys()
     for key, value in reference.items():
         assert torch.equal(final[key], value), f"{start_method}: {key} differs after the kill"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["collate", "getitems"])
+def test_randomness_per_batch_in_workers_resumes_bit_identically(
+    tmp_path: Path, kind: str, zygote: WorkerRuns
+) -> None:
+    """A ``collate_fn`` or a batched ``__getitems__`` that draws from the global RNGs in a
+    worker: a resumed epoch's batches go to other workers than in the uninterrupted run, so
+    only a seed per batch (from the epoch's seed and the batch's position) keeps them."""
+    status, text = zygote.train(tmp_path / "reference", "fork", kind=kind)
+    assert status == 0, text
+    reference = zygote.final()
+
+    folder = tmp_path / "run"
+    status, text = zygote.train(folder, "fork", kill_at=KILL_AT, kind=kind)
+    assert status == -signal.SIGKILL, text
+    committed = max(r.step for r in CheckpointStore(folder, keep=None).verify().results)
+    assert 0 < committed < script.BATCHES, f"not killed mid-epoch: {committed}\n{text}"
+    status, text = zygote.train(folder, "fork", kind=kind)
+    assert status == 0, text
+    assert lines(text, "start") == [committed], text
+    assert lines(text, "done") == [TOTAL], text
+    final = zygote.final()
+    assert final.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(final[key], value), f"{kind}: {key} differs after the kill"
 
 
 @pytest.mark.slow

@@ -64,6 +64,43 @@ class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.x[index] + noise, self.y[index]
 
 
+class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Fixed points, loaded as they are: the noise comes per batch (:func:`noisy_collate`)."""
+
+    def __init__(self, count: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(count, 4, generator=generator)
+        self.y = torch.randn(count, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
+def batch_noise(rows: int) -> torch.Tensor:
+    """Noise for a batch of ``rows`` samples, drawn from torch, random and NumPy."""
+    return 0.1 * torch.rand(rows, 4) + 0.1 * random.random() + 0.1 * float(numpy.random.rand())
+
+
+def noisy_collate(
+    samples: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``collate_fn`` that augments the whole batch from the global RNGs."""
+    x = torch.stack([s[0] for s in samples])
+    y = torch.stack([s[1] for s in samples])
+    return x + batch_noise(len(samples)), y
+
+
+class BatchedNoise(Points):
+    """Loads a batch at once (``__getitems__``) and adds noise to it from the global RNGs."""
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x = self.x[indices] + batch_noise(len(indices))
+        return list(zip(x, self.y[indices], strict=True))
+
+
 def announce(worker_id: int) -> None:
     """The user's ``worker_init_fn``: says whether the worker is a new interpreter (spawn,
     forkserver) and whether the trainer is its parent (not under forkserver)."""
@@ -72,16 +109,23 @@ def announce(worker_id: int) -> None:
     say(f"worker fresh={fresh} parent={parent}")
 
 
-def train(folder: Path, start_method: str, *, pause: float = 0.0) -> dict[str, torch.Tensor]:
-    """Train until done, resuming from ``folder``; the final weights and optimizer state."""
+def train(
+    folder: Path, start_method: str, *, pause: float = 0.0, kind: str = "sample"
+) -> dict[str, torch.Tensor]:
+    """Train until done, resuming from ``folder``; the final weights and optimizer state.
+    ``kind``: where the data's randomness is drawn: per sample (``__getitem__``), per batch in
+    the ``collate_fn`` (``collate``) or per batch in ``__getitems__`` (``getitems``)."""
     os.environ["TRAINER_PID"] = str(os.getpid())
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
+    count = BATCHES * BATCH_SIZE
+    datasets = {"sample": Augmented, "collate": Points, "getitems": BatchedNoise}
     loader = DataLoader(
-        Augmented(BATCHES * BATCH_SIZE),
+        datasets[kind](count),
         batch_size=BATCH_SIZE,
+        collate_fn=noisy_collate if kind == "collate" else None,
         shuffle=True,
         num_workers=2,
         multiprocessing_context=start_method,
@@ -113,7 +157,12 @@ def train(folder: Path, start_method: str, *, pause: float = 0.0) -> dict[str, t
 
 def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     os.setpgid(0, 0)  # the trainer, its workers and the fork server: one group to clean up
-    return train(Path(command["folder"]), command["start_method"], pause=command["pause"])
+    return train(
+        Path(command["folder"]),
+        command["start_method"],
+        pause=command["pause"],
+        kind=command.get("kind", "sample"),
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""A small Lightning run the tests start, kill and start again, unchanged.
+"""A small Lightning run the tests start, kill and start again, unchanged: a classifier with
+dropout over a shuffled, augmented DataLoader read by two workers.
 
     python lightning_train.py ROOT [--plain] [--epochs N] [--every N] [--workers N]
                                    [--epoch-end] [--drive]
@@ -61,12 +62,20 @@ class Net(L.LightningModule):
         }
 
 
+class Augmented(TensorDataset):
+    """The training points with noise drawn from torch's global generator at every load."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y = super().__getitem__(index)
+        return x + 0.1 * torch.randn(x.shape), y
+
+
 def data(workers: int) -> tuple[DataLoader[Any], DataLoader[Any]]:
     generator = torch.Generator().manual_seed(1234)
     x = torch.randn(320, 8, generator=generator)
     y = (x[:, 0] + x[:, 1] > 0).long()
     train = DataLoader(
-        TensorDataset(x[:256], y[:256]), batch_size=16, shuffle=True, num_workers=workers
+        Augmented(x[:256], y[:256]), batch_size=16, shuffle=True, num_workers=workers
     )
     val = DataLoader(TensorDataset(x[256:], y[256:]), batch_size=32, num_workers=0)
     return train, val

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -12,6 +17,7 @@ pytest.importorskip("accelerate")
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
+from safetensors.torch import load_file
 
 import nbresume.hf
 
@@ -70,3 +76,57 @@ def test_save_state_into_a_folder_without_a_step_number_is_refused(tmp_path: Pat
     accelerator.project_configuration.automatic_checkpoint_naming = False
     with pytest.raises(nbresume.UsageError, match="step number"):
         nbresume.hf.save_state(accelerator, tmp_path / "latest")
+
+
+SAVE_STATE_SCRIPT = Path(__file__).parents[2] / "docs" / "frameworks" / "accelerate_save_state.py"
+
+
+def run_script(cwd: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(SAVE_STATE_SCRIPT)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_the_docs_save_state_script_continues_after_a_kill_bit_identically(
+    tmp_path: Path,
+) -> None:
+    """docs/frameworks/accelerate_save_state.py, as the docs show it: killed with SIGKILL once
+    its second checkpoint is committed, then run again: its saves continue after the newest
+    (Accelerate's own count starts at 0 in every process) and its last checkpoint's weights
+    are bit-identical to an uninterrupted run's."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    whole = run_script(reference)
+    _, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err[-3000:]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpoints = run / "runs" / "exp" / "checkpoints"
+    killed = run_script(run)
+    while not (checkpoints / "checkpoint_1" / "manifest.json").exists():
+        assert killed.poll() is None, killed.stderr.read() if killed.stderr else ""
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (checkpoints / "checkpoint_5").exists(), "the run ended before the kill"
+
+    again = run_script(run)
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == [f"checkpoint_{i}" for i in range(6)]
+    assert nbresume.hf.last_checkpoint(checkpoints) == str(checkpoints / "checkpoint_5")
+    expected = load_file(reference / "runs/exp/checkpoints/checkpoint_5/model.safetensors")
+    final = load_file(checkpoints / "checkpoint_5" / "model.safetensors")
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(final[key], value), f"{key} differs after the kill"

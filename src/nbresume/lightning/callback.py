@@ -12,6 +12,12 @@
   checkpoint and are put back before the training loader makes its first iterator, so dropout
   and the next epoch's shuffle continue as in an uninterrupted run (Lightning saves none of
   them). A resume from a checkpoint saved at an epoch's end is then exact.
+- **The exact batch mid-epoch.** Each plain ``DataLoader`` of the training data is wrapped
+  in nbresume's resumable loader once Lightning has prepared it (:mod:`.data`): Lightning then
+  saves its position in every checkpoint and continues a resumed epoch at the next batch,
+  with the same samples and the same augmentation as an uninterrupted run. Its epoch order
+  comes from a seed of its own and the epoch (the seed is ``torch.initial_seed()``, which
+  ``seed_everything`` sets), not from the DataLoader's generator.
 - **ModelCheckpoint's folders.** A folder copied or moved as a whole (a new session's copy)
   resumes in place: the paths ``ModelCheckpoint`` recorded follow it, where Lightning would
   drop its state and save ``last-v1.ckpt``. When a run resumes, nbresume removes only what
@@ -35,6 +41,7 @@ from nbresume.checkpoint.format import capture_rng, restore_rng
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.frameworks.layout import committed
 from nbresume.lightning.checkpoint_io import CheckpointIO, read_document
+from nbresume.lightning.data import ResumableSource
 
 log = logging.getLogger("nbresume")
 
@@ -72,12 +79,37 @@ class Callback(pl.Callback):
         self._resumed_step: int | None = None
         self._stopped = ""
 
+    # -- the training data -----------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        fit_loop = trainer.fit_loop
+        if stage != "fit" or isinstance(fit_loop._data_source, ResumableSource):
+            return
+        if trainer.reload_dataloaders_every_n_epochs:
+            # A new DataLoader every few epochs would start its order over from epoch 0.
+            log.info(
+                "nbresume: reload_dataloaders_every_n_epochs is set: the training loaders "
+                "stay Lightning's own, and a run resumed mid-epoch does not see the same batches"
+            )
+            return
+        fit_loop._data_source = ResumableSource(fit_loop._data_source)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        source = trainer.fit_loop._data_source
+        if isinstance(source, ResumableSource):
+            for loader in source.loaders:
+                loader.taken()
+
     # -- the checkpoint --------------------------------------------------------------------
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        checkpoint[STATE_KEY] = {"run": self.run_id, "rng": capture_rng()}
+        state: dict[str, Any] = {"run": self.run_id, "rng": capture_rng()}
+        source = trainer.fit_loop._data_source
+        if isinstance(source, ResumableSource) and source.loaders:
+            state["loaders"] = [loader.state_dict() for loader in source.loaders]
+        checkpoint[STATE_KEY] = state
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -89,6 +121,10 @@ class Callback(pl.Callback):
             self.run_id = str(state.get("run", self.run_id))
             self._rng = state.get("rng")
             self._put_back_rng()
+            source = trainer.fit_loop._data_source
+            loaders = state.get("loaders")
+            if isinstance(source, ResumableSource) and isinstance(loaders, list):
+                source.resumed = loaders  # put into the loaders once the loop makes them
         step = checkpoint.get("global_step")
         self._resumed_step = step if isinstance(step, int) else None
 

@@ -258,3 +258,22 @@ def test_a_stateful_dataloader_resumes_through_its_own_state(tmp_path: Path) -> 
     # Not the torch-drawn augmentation: creating the loader's iterator draws a base seed from
     # torch's global generator, once more in the resumed run than in the original one.
     assert [b["python"] for b in head + rest] == [b["python"] for b in reference]
+
+
+def test_a_dataloader_given_its_own_batch_sampler_resumes_in_its_batches() -> None:
+    """DataLoader(batch_sampler=BatchSampler(RandomSampler(...))), as Accelerate builds the
+    loader it prepares: its batches come from that sampler, shuffled, and a resume after the
+    first batch hands out the rest of the same epoch."""
+    from torch.utils.data import BatchSampler, RandomSampler, TensorDataset
+
+    data = TensorDataset(torch.arange(12))
+    loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 4, False))
+    first = ResumableLoader(loader, seed=5)
+    epoch = [batch[0].tolist() for batch in first]
+    assert [len(b) for b in epoch] == [4, 4, 4]
+    assert sorted(i for b in epoch for i in b) == list(range(12))
+    assert [i for b in epoch for i in b] != list(range(12)), "not shuffled"
+
+    resumed = ResumableLoader(loader, seed=0)
+    resumed.load_state_dict({**first.state_dict(), "epoch": 0, "position": 1})
+    assert [batch[0].tolist() for batch in resumed] == epoch[1:]

@@ -57,6 +57,8 @@ from nbresume.checkpoint.state import (
     is_generator,
     optimizer_extras,
     restoring,
+    unwrap,
+    unwrap_loader,
 )
 from nbresume.checkpoint.store import (
     CheckpointInfo,
@@ -222,6 +224,7 @@ class Checkpointer(ControlledLoop):
 
     def _register(self, name: str, value: Any) -> None:
         check_name(name)
+        value = unwrap(name, value)  # what accelerator.prepare() wrapped
         if self._trainable_only and restoring.is_module(value):
             value = TrainableOnly(value)
         if is_dataloader(value):
@@ -270,9 +273,15 @@ class Checkpointer(ControlledLoop):
                 return value
         if dataloader is None:
             raise UsageError("no DataLoader was given to the Checkpointer", fix="ckpt.loader(dl)")
+        dataloader, place = unwrap_loader("dataloader", dataloader)  # Accelerate's loader
+        for value in self._objects.values():
+            if isinstance(value, ResumableLoader) and value.loader is dataloader:
+                value._on_batch = self._epoch_loop
+                return value
         made_in = self._epoch_loop.refuse_a_remade_loader(dataloader)
         name = "loader" if "loader" not in self._objects else f"loader{len(self._objects)}"
         wrapped = ResumableLoader(dataloader, seed=seed)
+        wrapped.place = place
         wrapped._on_batch = self._epoch_loop
         wrapped._created_in = made_in
         self._objects[name] = wrapped

@@ -19,6 +19,7 @@ from nbresume.checkpoint.state.determinism import describe as describe_determini
 from nbresume.checkpoint.state.generators import GeneratorState, is_generator
 from nbresume.checkpoint.state.health import MIN_BATCHES, DataWaitShare, data_wait_of
 from nbresume.checkpoint.state.optimizer_extras import StepWatch
+from nbresume.checkpoint.state.prepared import unwrap, unwrap_loader
 from nbresume.checkpoint.state.restoring import DoesNotFit
 from nbresume.checkpoint.state.snapshot import (
     GRADIENTS_GROUP,
@@ -62,4 +63,6 @@ __all__ = [
     "sample_seed",
     "tensor_bytes",
     "trainable_only",
+    "unwrap",
+    "unwrap_loader",
 ]

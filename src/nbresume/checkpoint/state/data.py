@@ -120,6 +120,50 @@ class _SeededDataset:
         with _host_streams_seeded(sample_seed(index)):
             return self.dataset[index]
 
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """The samples of one batch. In a worker, the host streams are first seeded for the
+        batch (:class:`_Batch`): what the user's ``__getitems__`` and then the ``collate_fn``
+        draw is the same whichever worker loads the batch and wherever the run resumed. In
+        the main process they draw from the training loop's own stream, as without nbresume,
+        which the checkpoint carries."""
+        from torch.utils.data import get_worker_info
+
+        _SAMPLE_CONTEXT["seed"], _SAMPLE_CONTEXT["epoch"] = self.seed, self.epoch
+        if isinstance(indices, _Batch) and get_worker_info() is not None:
+            _seed_host_streams(indices.seed)
+        batched = getattr(self.dataset, "__getitems__", None)
+        if batched:
+            return batched(list(indices))  # type: ignore[no-any-return]
+        return [self[index] for index in indices]
+
+
+def batch_seed(seed: int, epoch: int, position: int, rank: int) -> int:
+    """A 63-bit seed for batch ``position`` of ``epoch`` in process ``rank`` of the job."""
+    digest = hashlib.blake2b(f"batch:{seed}:{epoch}:{position}:{rank}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+class _Batch(list[int]):
+    """The indices of one batch, with the seed of the batch's position in its epoch: sent to
+    the worker that loads it, which seeds its host streams with it before the fetch and the
+    ``collate_fn`` (:meth:`_SeededDataset.__getitems__`)."""
+
+    def __init__(self, indices: list[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Batch, (list(self), self.seed))
+
+
+def _batches_of(batches: list[list[int]], seed: int, epoch: int, first: int) -> list[_Batch]:
+    """``batches``, from position ``first`` of the epoch on, each with its seed."""
+    rank = job_rank()
+    return [
+        _Batch(batch, batch_seed(seed, epoch, first + offset, rank))
+        for offset, batch in enumerate(batches)
+    ]
+
 
 class _WorkerInit:
     """The ``worker_init_fn`` of the DataLoaders nbresume builds: the worker ignores the
@@ -529,6 +573,14 @@ def _stream_split_changed(epoch: int, saved: int, now: int) -> UsageError:
     )
 
 
+def job_rank() -> int:
+    """This process's rank in the ``torch.distributed`` job (0 without one)."""
+    dist: Any = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return int(dist.get_rank())
+
+
 def job_size() -> int:
     """The number of processes of the ``torch.distributed`` job (1 without one)."""
     dist: Any = sys.modules.get("torch.distributed")
@@ -624,6 +676,9 @@ class ResumableLoader:
         self.data_wait = DataWait()
         self.data_wait.num_workers = getattr(loader, "num_workers", None)
         self.data_wait.pin_memory = getattr(loader, "pin_memory", None)
+        #: What each batch goes through as it is handed out (moving it to a device, as an
+        #: Accelerate loader this one stands for did); ``None``: nothing.
+        self.place: Callable[[Any], Any] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -705,7 +760,11 @@ class ResumableLoader:
         loader = self.loader
         seed = epoch_seed(self.seed, self.epoch)
         sampler, batch_sampler = loader.sampler, loader.batch_sampler
-        custom_batches = batch_sampler is not None and type(batch_sampler) is not BatchSampler
+        # A batch sampler given to the DataLoader (its batch_size is then None) holds the
+        # order; loader.sampler is only the SequentialSampler torch fills in.
+        custom_batches = batch_sampler is not None and (
+            type(batch_sampler) is not BatchSampler or loader.batch_size is None
+        )
         source = batch_sampler if custom_batches else sampler
         for part in _sampler_parts(source):
             if hasattr(part, "set_epoch"):
@@ -744,19 +803,19 @@ class ResumableLoader:
         batches, indices = self._epoch_indices()
         options = self._options(loader.worker_init_fn)
         dataset: Any = _SeededDataset(loader.dataset, self.seed, self.epoch)
-        if batches is not None:
-            return DataLoader(dataset, batch_sampler=batches[skip:], **options)
-        assert indices is not None
-        if loader.batch_size is None:
-            return DataLoader(dataset, batch_size=None, sampler=indices[skip:], **options)
-        start = skip * loader.batch_size
-        return DataLoader(
-            dataset,
-            batch_size=loader.batch_size,
-            drop_last=loader.drop_last,
-            sampler=indices[start:],
-            **options,
-        )
+        if batches is None:
+            assert indices is not None
+            if loader.batch_size is None:
+                return DataLoader(dataset, batch_size=None, sampler=indices[skip:], **options)
+            size = loader.batch_size
+            rest = indices[skip * size :]
+            batches = [rest[at : at + size] for at in range(0, len(rest), size)]
+            if batches and loader.drop_last and len(batches[-1]) < size:
+                batches.pop()
+        else:
+            batches = batches[skip:]
+        positioned = _batches_of(batches, self.seed, self.epoch, skip)
+        return DataLoader(dataset, batch_sampler=positioned, **options)
 
     def __iter__(self) -> Iterator[Any]:
         loop = self._on_batch
@@ -819,7 +878,7 @@ class ResumableLoader:
             rest, _ = self._rest_of_epoch()
         for batch in rest:
             self.position += 1
-            yield batch
+            yield batch if self.place is None else self.place(batch)
         self.epoch, self.position = self.epoch + 1, 0
 
     def _epoch_pass(self, loop: EpochLoop, key: tuple[int, int]) -> Iterator[Any]:
@@ -839,7 +898,7 @@ class ResumableLoader:
             self.position += 1
             loop._batch_given(self)
             try:
-                yield batch
+                yield batch if self.place is None else self.place(batch)
             except GeneratorExit:
                 # Closed at the yield: the consumer left (break, or zip ended on another
                 # loader). Only noted here: a generator can be closed late, by the garbage
