@@ -498,3 +498,94 @@ def test_the_life_of_one_save_lists_the_modules_a_save_enters() -> None:
     assert total == f"{len(traced)} modules"
     assert sorted(listed) == sorted(traced), "docs/architecture.md lists other modules"
     assert count == len(traced)
+
+
+#: The modules of a training loop's machinery, which talk to each other through public members.
+LOOP_MODULES = [
+    *sorted((PACKAGE / "checkpoint" / "loop").glob("*.py")),
+    PACKAGE / "checkpoint" / "state" / "data.py",
+    PACKAGE / "frameworks" / "watch.py",
+]
+
+
+def _private_uses(path: Path) -> list[str]:
+    """``other._member`` in ``path``, where ``other`` is not the object itself (``self``,
+    ``cls``, ``super()``) nor a module of the standard library (``os._exit``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in {"self", "cls", "os", "sys"}:
+            continue
+        if isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super":
+            continue
+        found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_loop_machinery_uses_no_private_member_of_another_object() -> None:
+    found = [use for path in LOOP_MODULES for use in _private_uses(path)]
+    assert not found, "use a public member or hand over a value:\n" + "\n".join(found)
+
+
+def test_no_protocol_has_a_private_member() -> None:
+    """A Protocol is a promise between two objects: made of what each shows the other."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if not any(ast.unparse(base).endswith("Protocol") for base in node.bases):
+                continue
+            for member in node.body:
+                names = []
+                if isinstance(member, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names = [member.name]
+                elif isinstance(member, ast.AnnAssign) and isinstance(member.target, ast.Name):
+                    names = [member.target.id]
+                found += [
+                    f"{path.relative_to(PACKAGE.parent)}: {node.name}.{name}"
+                    for name in names
+                    if name.startswith("_") and not name.startswith("__")
+                ]
+    assert not found, "\n".join(found)
+
+
+def test_the_notebook_reads_a_running_loop_by_its_typed_members() -> None:
+    """The panel, the magics and the status line read a loop through ``RunningLoop``."""
+    loops = {"ckpt", "checkpointer", "loop", "watch"}
+    found = []
+    for path in sorted((PACKAGE / "notebook").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in {"getattr", "hasattr"}
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in loops
+            ):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not found, "\n".join(found)
+
+
+def test_the_checkpointer_keeps_few_attributes_of_its_own() -> None:
+    """What decides when to save and stop lives in its LoopControl, what a strategy needs in
+    its host: the Checkpointer itself stays small enough to read (25 attributes at most)."""
+    tree = ast.parse((PACKAGE / "checkpoint" / "loop" / "checkpointer.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Checkpointer"]
+    names = set()
+    for node in ast.walk(cls):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for target in targets:
+            for each in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(each, ast.Attribute) and ast.unparse(each.value) == "self":
+                    names.add(each.attr)
+    assert len(names) <= 25, sorted(names)

@@ -237,7 +237,7 @@ class Checkpointer(ControlledLoop):
         if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
             self._objects[name] = value
             if isinstance(value, ResumableLoader):
-                value._on_batch = None
+                value.epoch_loop = None
         else:
             flatten(value, name=name)  # refuse what cannot be stored, now rather than at save
             self._values[name] = value
@@ -269,21 +269,21 @@ class Checkpointer(ControlledLoop):
             if isinstance(value, ResumableLoader) and (
                 dataloader is None or value.loader is dataloader
             ):
-                value._on_batch = self._epoch_loop
+                value.epoch_loop = self._epoch_loop
                 return value
         if dataloader is None:
             raise UsageError("no DataLoader was given to the Checkpointer", fix="ckpt.loader(dl)")
         dataloader, place = unwrap_loader("dataloader", dataloader)  # Accelerate's loader
         for value in self._objects.values():
             if isinstance(value, ResumableLoader) and value.loader is dataloader:
-                value._on_batch = self._epoch_loop
+                value.epoch_loop = self._epoch_loop
                 return value
         made_in = self._epoch_loop.refuse_a_remade_loader(dataloader)
         name = "loader" if "loader" not in self._objects else f"loader{len(self._objects)}"
         wrapped = ResumableLoader(dataloader, seed=seed)
         wrapped.place = place
-        wrapped._on_batch = self._epoch_loop
-        wrapped._created_in = made_in
+        wrapped.epoch_loop = self._epoch_loop
+        wrapped.created_in = made_in
         self._objects[name] = wrapped
         if name in self._pending_objects:
             restoring.load_object(name, wrapped, self._pending_objects.pop(name))

@@ -5,10 +5,10 @@ public counters (:class:`Host`) and the steps of a loop it runs (:class:`LoopSte
 registered objects, the lease, the step boundary, the end). The
 protocol (:class:`nbresume.checkpoint.state.data.EpochLoop`, implemented here): a
 :class:`~nbresume.checkpoint.state.ResumableLoader` reports to the epoch loop when a pass over
-its data begins (``_begin_pass``), when it is asked for a batch
-(``_wants_batch``, where the step it handed out a batch in ends and an owed step boundary
-runs), when it hands one out (``_batch_given``) and when its consumer leaves the pass early
-(``_pass_left``, settled at the next of those points). Every batch belongs to a step; a step
+its data begins (``begin_pass``), when it is asked for a batch
+(``wants_batch``, where the step it handed out a batch in ends and an owed step boundary
+runs), when it hands one out (``batch_given``) and when its consumer leaves the pass early
+(``pass_left``, settled at the next of those points). Every batch belongs to a step; a step
 ends when a loader that already handed out a batch in it is asked for another, when such a
 loader is left, or when the body of the epoch ends. :meth:`Epochs.position` says which (step,
 epoch) a save made now records, inside either loop's body.
@@ -146,7 +146,7 @@ class Epochs:
         state = EpochState(self.loops_started)
         self.state = state
         for loader in self.wrapped_loaders():
-            loader._on_batch = self  # loaders wrapped later are attached by loader()
+            loader.epoch_loop = self  # loaders wrapped later are attached by loader()
         with self.steps.loop(("epochs", count)):
             try:
                 while self.host.epoch < count:
@@ -190,10 +190,10 @@ class Epochs:
     def wrapped_loaders(self) -> list[ResumableLoader]:
         return [o for o in self.steps.objects.values() if isinstance(o, ResumableLoader)]
 
-    def _in_epoch_body(self) -> bool:
+    def in_epoch_body(self) -> bool:
         return self.body == "epoch" and self.state is not None
 
-    def _begin_pass(self, loader: ResumableLoader) -> tuple[int, int] | None:
+    def begin_pass(self, loader: ResumableLoader) -> tuple[int, int] | None:
         """A pass over ``loader`` begins: its key (the loop and the epoch), or ``None``
         outside the body of an epoch loop, where the loader hands out batches uncounted."""
         state = self.state
@@ -208,17 +208,17 @@ class Epochs:
                 "(DataLoader(num_workers=N) already loads in parallel)",
             )
         key = (state.id, self.host.epoch)
-        if loader._pass_key == key:
+        if loader.pass_key == key:
             raise UsageError(
                 f"a wrapped loader was iterated a second time in epoch {self.host.epoch} of "
                 "ckpt.epochs(); each wrapped loader makes one pass over its data per epoch",
                 fix="iterate it once per epoch (to cap an epoch, break out of that one loop); "
                 "for several passes per epoch, use ckpt.steps(total) with loader.batches()",
             )
-        loader._pass_key = key
+        loader.pass_key = key
         return key
 
-    def _wants_batch(self, loader: ResumableLoader, key: tuple[int, int], exhausted: bool) -> bool:
+    def wants_batch(self, loader: ResumableLoader, key: tuple[int, int], exhausted: bool) -> bool:
         """``loader`` is asked for a batch (``exhausted``: its data epoch has none left).
         Ends the step it handed out a batch in, and runs the boundary owed; True: stop."""
         state = self.state
@@ -245,7 +245,7 @@ class Epochs:
         finally:
             state.requesting = False
 
-    def _batch_given(self, loader: ResumableLoader) -> None:
+    def batch_given(self, loader: ResumableLoader) -> None:
         state = self.state
         assert state is not None
         if not state.step:  # the first batch of a step: the step begins
@@ -253,7 +253,7 @@ class Epochs:
         state.step.add(id(loader))
         state.batches += 1
 
-    def _pass_left(self, loader: ResumableLoader, key: tuple[int, int]) -> None:
+    def pass_left(self, loader: ResumableLoader, key: tuple[int, int]) -> None:
         state = self.state  # any thread (a generator closed by the garbage collector)
         if state is not None and key == (state.id, self.host.epoch):
             state.left.append(loader)
@@ -266,7 +266,7 @@ class Epochs:
             if id(loader) in state.step:
                 self._end_step(state)
             if loader.finished_in != self.host.epoch:
-                loader._end_pass(self.host.epoch)
+                loader.end_pass(self.host.epoch)
 
     def _end_step(self, state: EpochState) -> None:
         now = time.monotonic()
@@ -286,7 +286,7 @@ class Epochs:
             self._end_step(state)
         for loader in self.wrapped_loaders():
             if loader.finished_in != self.host.epoch and loader.position > 0:
-                loader._end_pass(self.host.epoch)
+                loader.end_pass(self.host.epoch)
         if not state.batches:
             self.host.step += 1  # no wrapped loader handed out a batch: the epoch is the step
             self.host.cadence.observe_step(time.monotonic() - started)
@@ -303,7 +303,7 @@ class Epochs:
             return None
         dataset = getattr(dataloader, "dataset", None)
         for value in self.wrapped_loaders():
-            made = value._created_in
+            made = value.created_in
             if (
                 made
                 and made[0] == state.id

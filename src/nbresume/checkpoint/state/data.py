@@ -621,19 +621,19 @@ class EpochLoop(Protocol):
     """What a :class:`ResumableLoader` tells the loop of :meth:`Checkpointer.epochs` about
     the batches it hands out (see :mod:`nbresume.checkpoint.loop.epochloop`)."""
 
-    def _in_epoch_body(self) -> bool:
+    def in_epoch_body(self) -> bool:
         """Whether the body of an epoch loop is running."""
 
-    def _begin_pass(self, loader: ResumableLoader) -> tuple[int, int] | None:
+    def begin_pass(self, loader: ResumableLoader) -> tuple[int, int] | None:
         """A pass over ``loader`` begins: its key, or ``None`` outside an epoch loop's body."""
 
-    def _wants_batch(self, loader: ResumableLoader, key: tuple[int, int], exhausted: bool) -> bool:
+    def wants_batch(self, loader: ResumableLoader, key: tuple[int, int], exhausted: bool) -> bool:
         """``loader`` is asked for a batch (``exhausted``: it has none left); True: stop."""
 
-    def _batch_given(self, loader: ResumableLoader) -> None:
+    def batch_given(self, loader: ResumableLoader) -> None:
         """``loader`` handed out a batch: it belongs to the running step."""
 
-    def _pass_left(self, loader: ResumableLoader, key: tuple[int, int]) -> None:
+    def pass_left(self, loader: ResumableLoader, key: tuple[int, int]) -> None:
         """The consumer left the pass before its end (``break``); may run in any thread."""
 
 
@@ -666,11 +666,11 @@ class ResumableLoader:
         #: (-1: none); a resumed body does not hand out a pass that had ended.
         self.finished_in = -1
         #: The epoch loop this loader reports to (set by the Checkpointer; None: standalone).
-        self._on_batch: EpochLoop | None = None
+        self.epoch_loop: EpochLoop | None = None
         #: The key of the pass running or last begun inside an epoch loop (runtime only).
-        self._pass_key: tuple[int, int] | None = None
+        self.pass_key: tuple[int, int] | None = None
         #: Where the Checkpointer created this wrapper: (loop, epoch), or None (runtime only).
-        self._created_in: tuple[int, int] | None = None
+        self.created_in: tuple[int, int] | None = None
         #: How long the loop waits for each batch and keeps it (runtime only): the data-wait
         #: share the status line and the panel show.
         self.data_wait = DataWait()
@@ -818,8 +818,8 @@ class ResumableLoader:
         return DataLoader(dataset, batch_sampler=positioned, **options)
 
     def __iter__(self) -> Iterator[Any]:
-        loop = self._on_batch
-        key = None if loop is None else loop._begin_pass(self)
+        loop = self.epoch_loop
+        key = None if loop is None else loop.begin_pass(self)
         if loop is None or key is None:
             yield from self._standalone_pass()
         else:
@@ -889,27 +889,27 @@ class ResumableLoader:
         if self.finished_in == epoch:
             return  # resumed after this pass had ended: the rest of the body runs without it
         rest, exhausted = self._rest_of_epoch()
-        if loop._wants_batch(self, key, exhausted()):
+        if loop.wants_batch(self, key, exhausted()):
             return  # the loop is stopping: nothing more is handed out
         if exhausted():
             self.epoch, self.position = self.epoch + 1, 0
             rest, exhausted = self._rest_of_epoch()
         for batch in rest:
             self.position += 1
-            loop._batch_given(self)
+            loop.batch_given(self)
             try:
                 yield batch if self.place is None else self.place(batch)
             except GeneratorExit:
                 # Closed at the yield: the consumer left (break, or zip ended on another
                 # loader). Only noted here: a generator can be closed late, by the garbage
                 # collector, in any thread; the loop acts on it at its next control point.
-                loop._pass_left(self, key)
+                loop.pass_left(self, key)
                 raise
-            if loop._wants_batch(self, key, exhausted()):
+            if loop.wants_batch(self, key, exhausted()):
                 return  # stopping mid-epoch: the position stays where the checkpoint has it
-        self._end_pass(epoch)
+        self.end_pass(epoch)
 
-    def _end_pass(self, epoch: int) -> None:
+    def end_pass(self, epoch: int) -> None:
         """The pass of the loop's ``epoch`` is over (exhausted or left): the next pass starts
         the next data epoch."""
         self.epoch, self.position, self.finished_in = self.epoch + 1, 0, epoch
@@ -917,8 +917,8 @@ class ResumableLoader:
     def batches(self) -> Iterator[Any]:
         """Batches forever, epoch after epoch, from the current position (for ``steps()``
         loops; inside ``epochs()``, iterate the loader itself)."""
-        loop = self._on_batch
-        if loop is not None and loop._in_epoch_body():
+        loop = self.epoch_loop
+        if loop is not None and loop.in_epoch_body():
             raise UsageError(
                 "loader.batches() was called inside the body of ckpt.epochs(): it never ends, "
                 "and an epoch loop counts one pass over the data per epoch",
