@@ -70,6 +70,7 @@ from nbresume.checkpoint.store.hashing import (
     read_unsized,
 )
 from nbresume.checkpoint.store.info import LoadedCheckpoint, VerifyResult
+from nbresume.checkpoint.store.streaming import Span, Streamed, fill_all
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 
 
@@ -609,6 +610,7 @@ def load_folder(
     devices: Mapping[str, Any] | None = None,
     *,
     fits: Callable[[LoadedCheckpoint], None] | None = None,
+    targets: Callable[[LoadedCheckpoint], Mapping[str, Mapping[Span, Any]]] | None = None,
 ) -> LoadedCheckpoint:
     """One checkpoint read, verified and decoded (raises CorruptCheckpointError); the tensor
     files named in ``devices`` are read onto those devices (:func:`read_verified`).
@@ -617,7 +619,14 @@ def load_folder(
     read and verified, each tensor a :class:`~nbresume.checkpoint.format.TensorSpec`):
     a CheckpointError it raises that is no CorruptCheckpointError (the checkpoint does not
     fit the objects it is for) is raised as :class:`Unfit` before any memory is taken for
-    the tensors, whatever the size the headers declare."""
+    the tensors, whatever the size the headers declare.
+
+    ``targets`` (with ``fits``) then names, per tensor file, the live tensors its tensors are
+    to be read into (by their byte range in the file's data area): those files are checked
+    now and their tensors without a target read (:class:`~.streaming.Streamed`); the targets
+    themselves take the saved bytes only when ``loaded.fill()`` is called, once the restore's
+    plan is checked. Until then the checkpoint's tensors for them are the live tensors, as
+    they were."""
     manifest = read_manifest(store, name, step)
     loaded = LoadedCheckpoint(step, store.child(name), manifest)
     # Nothing is parsed before every file's hash matched (a safetensors header excepted:
@@ -635,7 +644,19 @@ def load_folder(
             raise
         except CheckpointError as exc:
             raise Unfit(exc) from None
-        buffers.update(read_verified(store, name, tensors, devices))
+        wanted = targets(heads) if targets is not None else {}
+        streamed = [
+            Streamed(store, name, n, e, buffers[n].data_start, buffers[n], wanted[n])
+            for n, e in tensors.items()
+            if wanted.get(n) and n not in (devices or {})
+        ]
+        for item in streamed:
+            item.check()
+            buffers[item.file_name] = Decoded(item.tensors)
+        rest = {n: e for n, e in tensors.items() if not isinstance(buffers[n], Decoded)}
+        buffers.update(read_verified(store, name, rest, devices))
+        if streamed:
+            loaded.fill = lambda: fill_all(streamed)
     else:
         buffers = read_verified(store, name, files, devices)
     decode_files(store, name, buffers, loaded, framework)
@@ -657,12 +678,21 @@ def read_specs(store: Store, name: str, file_name: str, entry: FileEntry) -> Spe
         raise CorruptCheckpointError("the file is missing", where=where) from None
     except OSError as exc:
         raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
-    _, specs, _ = tensorfile.parse_header(head, where=where, total=entry.size)
-    return SpecsOnly(specs)
+    data_start, specs, _ = tensorfile.parse_header(head, where=where, total=entry.size)
+    return SpecsOnly(specs, data_start=data_start)
 
 
 class SpecsOnly(dict[str, tensorfile.TensorSpec]):
     """A tensor file as its header describes it: each tensor's dtype and shape, no bytes."""
+
+    def __init__(self, specs: Mapping[str, tensorfile.TensorSpec], *, data_start: int) -> None:
+        super().__init__(specs)
+        #: Where the file's data area starts (the byte after its header).
+        self.data_start = data_start
+
+
+class Decoded(dict[str, Any]):
+    """A tensor file's tensors, already built (:class:`~.streaming.Streamed`)."""
 
 
 def decode_files(
@@ -678,7 +708,7 @@ def decode_files(
     for file_name, buffer in buffers.items():
         where = store.child(name, file_name)
         stem, kind = file_name.rsplit(".", 1)
-        if isinstance(buffer, SpecsOnly):
+        if isinstance(buffer, (SpecsOnly, Decoded)):
             loaded.tensors[stem] = buffer
         elif kind == "safetensors" and tensorfile.is_device_bytes(buffer):
             loaded.tensors[stem] = tensorfile.decode_device(buffer, where=where)
