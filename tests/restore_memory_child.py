@@ -1,14 +1,16 @@
 """Save or restore a CPU state of STATE_MB, optionally inside a memory limit; report.
 
 Run as ``python restore_memory_child.py ACTION RUN_DIR STATE_MB [LIMIT]``: ACTION is ``save``
-(build the model and its optimizer, one step so that the optimizer has its state, an async
-save, which writes from the live tensors where a copy does not fit) or ``restore`` (build
-them afresh, restore, one more step). The state is half parameters, half the optimizer's
-momentum. LIMIT is ``cgroup:FOLDER`` (a cgroup v1 or v2 folder whose limit the test set: the
-child moves itself into it before it imports anything large) or ``as:BYTES`` (``RLIMIT_AS``:
-BYTES more address space than the child has mapped once torch and nbresume are imported).
+(build the model and its optimizer's state, then an async save, which writes from the live
+tensors where a copy does not fit) or ``restore`` (build them afresh, the optimizer without
+state, and restore). The state is half parameters, half the optimizer's momentum. LIMIT is
+``cgroup:FOLDER`` (a cgroup v1 or v2 folder whose limit the test set: the child moves itself
+into it before it imports anything large) or ``as:BYTES`` (``RLIMIT_AS``: BYTES more address
+space than the child has mapped once torch and nbresume are imported
+and an optimizer built).
 
-Prints one JSON object on its last line: the step, the base (resident memory once imported),
+Prints one JSON object on its last line (``{"error": class, "message": text}``, exit status
+3, where the save or restore raised): the step, the base (resident memory once imported),
 the peak (``VmHWM``), the state's bytes, a sha256 of every tensor, the warnings logged. The
 test makes the assertions.
 """
@@ -46,9 +48,6 @@ def main() -> None:
 
     import nbresume
 
-    if limit.startswith("as:"):
-        bound = status("VmSize") + int(limit.removeprefix("as:"))
-        resource.setrlimit(resource.RLIMIT_AS, (bound, bound))
     warnings: list[str] = []
 
     class Keep(logging.Handler):
@@ -56,7 +55,11 @@ def main() -> None:
             warnings.append(record.getMessage())
 
     logging.getLogger("nbresume").addHandler(Keep(level=logging.WARNING))
-    torch.optim.SGD([torch.zeros(1)], lr=0.1)  # what building an optimizer imports counts in the base
+    # What building an optimizer imports counts in the base.
+    torch.optim.SGD([torch.zeros(1)], lr=0.1)
+    if limit.startswith("as:"):
+        bound = status("VmSize") + int(limit.removeprefix("as:"))
+        resource.setrlimit(resource.RLIMIT_AS, (bound, bound))
     base = status("VmRSS")
     count = max(1, state_mb // 2 // PIECE_MB)
     model = nn.ParameterList(
@@ -64,29 +67,28 @@ def main() -> None:
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
-    def step() -> None:
-        for parameter in model:
-            parameter.grad = torch.ones_like(parameter)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     ckpt = nbresume.Checkpointer(run_dir, every=None, deadline=None, quiet=True,
                                  async_save=True, model=model, optimizer=optimizer)  # fmt: skip
-    if action == "save":
-        step()
-        ckpt.save(step=1)
-        ckpt.wait()
-    else:
-        assert ckpt.restore() == 1
+    try:
+        if action == "save":  # the state a step gives, without the step's gradients
+            for index, parameter in enumerate(model):
+                optimizer.state[parameter]["momentum_buffer"] = torch.full_like(parameter, -index)
+            ckpt.save(step=1)
+            ckpt.wait()
+            step = 1
+        else:
+            step = ckpt.restore()
+    except Exception as exc:  # what the user would see: reported for the test to judge
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        sys.exit(3)
     peak = status("VmHWM")
     ckpt.close()
     state = {f"model.{n}": v for n, v in model.state_dict().items()}
     for index, value in optimizer.state_dict()["state"].items():
         state[f"momentum.{index}"] = value["momentum_buffer"]
     digests = {n: hashlib.sha256(v.numpy()).hexdigest() for n, v in state.items()}
-    step()  # training runs on in the memory the restore left
     report = {
-        "step": ckpt.step,
+        "step": step,
         "base": base,
         "peak": peak,
         "state_bytes": sum(v.nbytes for v in state.values()),

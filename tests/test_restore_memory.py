@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.test_memory_limit import cgroup_parent, oom_kills, remove_cgroup
 
 from nbresume import CheckpointStore
-from tests.test_memory_limit import cgroup_parent, oom_kills, remove_cgroup
 
 CHILD = Path(__file__).with_name("restore_memory_child.py")
 MB = 1 << 20
@@ -31,7 +31,9 @@ GIB = 1 << 30
 MARGIN = 0.25
 
 
-def run(action: str, run_dir: Path, state_mb: int, limit: str = "") -> dict[str, Any]:
+def run(
+    action: str, run_dir: Path, state_mb: int, limit: str = "", *, fails: bool = False
+) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
     result = subprocess.run(
         [sys.executable, str(CHILD), action, str(run_dir), str(state_mb), limit],
@@ -41,7 +43,7 @@ def run(action: str, run_dir: Path, state_mb: int, limit: str = "") -> dict[str,
         env=env,
     )
     output = result.stdout[-2000:] + result.stderr[-4000:]
-    assert result.returncode == 0, f"{action}: exit {result.returncode}\n{output}"
+    assert result.returncode == (3 if fails else 0), f"{action}: exit {result.returncode}\n{output}"
     report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     return report
 
@@ -115,3 +117,39 @@ def test_a_large_state_saves_and_restores_inside_an_address_space_limit(tmp_path
     restored = run("restore", run_dir, STATE_MB, f"as:{LIMIT}")
     assert_restored_in_bounded_memory(saved, restored)
     assert CheckpointStore(run_dir).verify().ok
+
+
+# -- an address-space limit (ulimit -v) ---------------------------------------------------------
+
+
+def test_an_async_save_under_an_address_space_limit_is_written_from_the_live_tensors(
+    tmp_path: Path,
+) -> None:
+    # 256 MiB of state and 192 MiB of address space left once it is built: a copy for the
+    # background write cannot be mapped. The limit is seen (it bounds the memory a save may
+    # take, as a cgroup's does): the save is written from the live tensors, and says why.
+    run_dir = tmp_path / "run"
+    saved = run("save", run_dir, 256, f"as:{448 * MB}")
+    assert saved["step"] == 1
+    told = [w for w in saved["warnings"] if "copying it into host memory would take" in w]
+    assert len(told) == 1, saved["warnings"]
+    assert "address-space limit (ulimit -v)" in told[0]
+    assert CheckpointStore(run_dir).verify().ok
+
+
+def test_a_restore_out_of_memory_says_memory_and_verify_finds_the_checkpoint_fine(
+    tmp_path: Path,
+) -> None:
+    # The model (128 MiB) fits in the limit, its optimizer's state (128 MiB more) does not.
+    run_dir = tmp_path / "run"
+    saved = run("save", run_dir, 256)
+    failed = run("restore", run_dir, 256, f"as:{256 * MB}", fails=True)
+    assert failed["error"] == "MemoryLimitError", failed
+    assert "out of memory while reading the checkpoint" in failed["message"]
+    assert "address-space limit (ulimit -v)" in failed["message"]
+    assert "ulimit -v unlimited" in failed["message"]
+    assert "verif" not in failed["message"].split(".")[0]  # not "no checkpoint verifies"
+    assert CheckpointStore(run_dir).verify().ok
+    # With the memory there, the same checkpoint restores.
+    restored = run("restore", run_dir, 256)
+    assert restored["digests"] == saved["digests"]

@@ -70,6 +70,7 @@ from nbresume.checkpoint.store.hashing import (
     read_unsized,
 )
 from nbresume.checkpoint.store.info import LoadedCheckpoint, VerifyResult
+from nbresume.checkpoint.store.memory import is_out_of_memory, memory_error
 from nbresume.checkpoint.store.streaming import Span, Streamed, fill_all
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 
@@ -153,8 +154,22 @@ def verify_folder(
             name, step, location, ok=False, problem=f"missing file: {exc.filename or exc}"
         )
     except OSError as exc:
+        if is_out_of_memory(exc):  # not the checkpoint's fault: said, not reported as damage
+            raise memory_error(exc, doing="verifying the checkpoint", where=location) from None
         return VerifyResult(name, step, location, ok=False, problem=f"cannot read: {exc}")
     return VerifyResult(name, step, location, ok=True, size=manifest.payload_bytes)
+
+
+def read_failure(exc: BaseException, where: str) -> BaseException:
+    """What a read that failed with ``exc`` raises: a refused allocation is memory
+    (:class:`~nbresume.errors.MemoryLimitError`), never damage; another system error makes
+    the file unreadable (CorruptCheckpointError: the checkpoint is passed over); anything
+    else is raised as it is."""
+    if is_out_of_memory(exc):
+        return memory_error(exc, doing="reading the checkpoint", where=where)
+    if isinstance(exc, OSError):
+        return CorruptCheckpointError(f"cannot read the file: {exc}", where=where)
+    return exc
 
 
 def check_stored_size(store: Store, name: str, file_name: str, entry: FileEntry) -> None:
@@ -326,8 +341,8 @@ def read_verified(
                             size += 1  # more bytes than the manifest says
             except FileNotFoundError:
                 raise CorruptCheckpointError("the file is missing", where=where) from None
-            except OSError as exc:
-                raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
+            except (OSError, MemoryError, RuntimeError) as exc:
+                raise read_failure(exc, where) from None
             pending[-1] = (file_name, entry, buffer, size, digests)
         results = {item[0]: item for item in pending}
         out: dict[str, Any] = {}
@@ -626,7 +641,29 @@ def load_folder(
     now and their tensors without a target read (:class:`~.streaming.Streamed`); the targets
     themselves take the saved bytes only when ``loaded.fill()`` is called, once the restore's
     plan is checked. Until then the checkpoint's tensors for them are the live tensors, as
-    they were."""
+    they were.
+
+    An allocation refused on the way raises :class:`~nbresume.errors.MemoryLimitError`:
+    memory, never a damaged checkpoint to pass over."""
+    try:
+        return _load_folder(store, step, name, framework, devices, fits=fits, targets=targets)
+    except (MemoryError, RuntimeError, OSError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        where = store.child(name)
+        raise memory_error(exc, doing="reading the checkpoint", where=where) from None
+
+
+def _load_folder(
+    store: Store,
+    step: int,
+    name: str,
+    framework: str,
+    devices: Mapping[str, Any] | None,
+    *,
+    fits: Callable[[LoadedCheckpoint], None] | None,
+    targets: Callable[[LoadedCheckpoint], Mapping[str, Mapping[Span, Any]]] | None,
+) -> LoadedCheckpoint:
     manifest = read_manifest(store, name, step)
     loaded = LoadedCheckpoint(step, store.child(name), manifest)
     # Nothing is parsed before every file's hash matched (a safetensors header excepted:
@@ -676,8 +713,8 @@ def read_specs(store: Store, name: str, file_name: str, entry: FileEntry) -> Spe
             read_into(handle, memoryview(head)[8:])
     except FileNotFoundError:
         raise CorruptCheckpointError("the file is missing", where=where) from None
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
+    except (OSError, MemoryError, RuntimeError) as exc:
+        raise read_failure(exc, where) from None
     data_start, specs, _ = tensorfile.parse_header(head, where=where, total=entry.size)
     return SpecsOnly(specs, data_start=data_start)
 

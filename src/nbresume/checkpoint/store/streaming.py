@@ -30,13 +30,14 @@ checkpoint loads are the live tensors left partly written, and the error says so
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from nbresume.checkpoint.backends import READ_CHUNK, Store, read_into
 from nbresume.checkpoint.format import FileEntry, TensorSpec, tensorfile
 from nbresume.checkpoint.store.hashing import THREAD_MIN_BYTES, Digests, check_hashes, new_buffer
+from nbresume.checkpoint.store.memory import is_out_of_memory, memory_error
 from nbresume.errors import CorruptCheckpointError
 
 #: The small buffers the bytes that are only hashed go through (each :data:`READ_CHUNK`).
@@ -145,13 +146,18 @@ class Streamed:
         CorruptCheckpointError where the file does not match its manifest entry; nothing
         live is changed."""
         own = self._own_spans()
-        memory = new_buffer(sum(spec.end - spec.start for _, spec in own))
+        try:
+            memory = new_buffer(sum(spec.end - spec.start for _, spec in own))
+        except (OSError, MemoryError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise memory_error(exc, doing="reading the checkpoint", where=self.where) from None
         places: dict[Span, memoryview] = {}
         offset = 0
         for _, spec in own:
             places[(spec.start, spec.end)] = memory[offset : offset + spec.end - spec.start]
             offset += spec.end - spec.start
-        self._read(lambda span: places.get(span))
+        self._read(places.get)
         self.tensors = self._build(memory, own)
 
     def fill(self) -> None:
@@ -160,7 +166,7 @@ class Streamed:
         entry (it changed after :meth:`check`)."""
         views = {span: writable_bytes(tensor) for span, tensor in self.targets.items()}
         try:
-            self._read(lambda span: views.get(span))
+            self._read(views.get)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(
                 f"{exc.message}, after it was checked: the file changed while it was being "
@@ -169,7 +175,7 @@ class Streamed:
                 where=self.where,
             ) from None
 
-    def _read(self, target: Any) -> None:
+    def _read(self, target: Callable[[Span], memoryview | None]) -> None:
         digests = Digests(
             md5=self.entry.md5 is not None,
             threaded=self.entry.size >= THREAD_MIN_BYTES,
@@ -189,6 +195,14 @@ class Streamed:
                         size += 1  # more bytes than the manifest says
             except FileNotFoundError:
                 raise CorruptCheckpointError("the file is missing", where=self.where) from None
+            except OSError as exc:
+                if is_out_of_memory(exc):
+                    raise memory_error(
+                        exc, doing="reading the checkpoint", where=self.where
+                    ) from None
+                raise CorruptCheckpointError(
+                    f"cannot read the file: {exc}", where=self.where
+                ) from None
             digest, md5 = digests.result()
         finally:
             digests.cancel()
@@ -200,7 +214,9 @@ class Streamed:
         compact: dict[str, TensorSpec] = {}
         offset = 0
         for key, spec in own:
-            compact[key] = TensorSpec(spec.dtype, spec.shape, offset, offset + spec.end - spec.start)
+            compact[key] = TensorSpec(
+                spec.dtype, spec.shape, offset, offset + spec.end - spec.start
+            )
             offset += spec.end - spec.start
         empty = {
             key: TensorSpec(spec.dtype, spec.shape, 0, 0)
