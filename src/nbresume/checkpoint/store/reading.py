@@ -567,7 +567,10 @@ RNG_FILE = "rng"
 
 
 def parse_json(buffer: Buffer, *, where: str) -> Any:
-    """A JSON file of a checkpoint, its nesting bounded (nothing later can recurse too deep)."""
+    """A JSON file of a checkpoint, its nesting bounded (nothing later can recurse too deep)
+    and the memory its parse takes a small multiple of its size
+    (:func:`~nbresume.checkpoint.format.state_document.check_parse_cost`)."""
+    state_document.check_parse_cost(buffer, where=where)
     try:
         document = json.loads(str(buffer, "utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -694,6 +697,11 @@ def _load_folder(
         buffers.update(read_verified(store, name, rest, devices))
         if streamed:
             loaded.fill = lambda: fill_all(streamed)
+        # The JSON documents are parsed once: the headers' state is let go before the state
+        # is rebuilt with its tensors.
+        loaded.data.update(heads.data)
+        heads.state = None
+        buffers = {n: b for n, b in buffers.items() if n in tensors}
     else:
         buffers = read_verified(store, name, files, devices)
     decode_files(store, name, buffers, loaded, framework)
