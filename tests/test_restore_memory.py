@@ -30,6 +30,9 @@ GIB = 1 << 30
 #: What a restore may take beyond the state: a quarter of it, or 64 MiB for a small one.
 MARGIN = 0.25
 
+#: Every test runs children that build and write hundreds of MB (the slowest, gigabytes).
+pytestmark = pytest.mark.slow
+
 
 def run(
     action: str, run_dir: Path, state_mb: int, limit: str = "", *, fails: bool = False
@@ -97,7 +100,6 @@ def limited_cgroup() -> Iterator[tuple[Path, str]]:
         remove_cgroup(folder)
 
 
-@pytest.mark.slow
 def test_a_large_state_saves_and_restores_inside_a_memory_cgroup(
     limited_cgroup: tuple[Path, str], tmp_path: Path
 ) -> None:
@@ -110,7 +112,6 @@ def test_a_large_state_saves_and_restores_inside_a_memory_cgroup(
     assert CheckpointStore(run_dir).verify().ok
 
 
-@pytest.mark.slow
 def test_a_large_state_saves_and_restores_inside_an_address_space_limit(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     saved = run("save", run_dir, STATE_MB, f"as:{LIMIT}")
