@@ -56,11 +56,14 @@ def writable_bytes(tensor: Any) -> memoryview:
 
 
 class Scratch:
-    """A few buffers that bytes read only to be hashed go through: a buffer is used again
-    once its last piece is hashed (a slow hash runs in a thread)."""
+    """The buffers of ``size`` bytes that bytes read only to be hashed go through: one where
+    every hash runs in the caller, a few where a slow hash runs in a thread (a buffer is used
+    again once its last piece is hashed)."""
 
-    def __init__(self, digests: Digests) -> None:
+    def __init__(self, digests: Digests, size: int = READ_CHUNK) -> None:
         self._digests = digests
+        self._size = size
+        self._count = SCRATCH_BUFFERS if digests.threaded else 1
         self._ring: list[bytearray] = []
         self._used: list[int] = []  # per buffer: the count of pieces hashed when it was last given
         self.given = 0  # pieces handed to the hash so far, in every buffer and target
@@ -70,8 +73,8 @@ class Scratch:
         self.given += 1
 
     def buffer(self) -> memoryview:
-        if len(self._ring) < SCRATCH_BUFFERS:
-            self._ring.append(bytearray(READ_CHUNK))
+        if len(self._ring) < self._count:
+            self._ring.append(bytearray(self._size))
             self._used.append(0)
             slot = len(self._ring) - 1
         else:
@@ -182,12 +185,13 @@ class Streamed:
             algorithm=self.entry.algorithm,
         )
         try:
-            scratch = Scratch(digests)
             segments: list[memoryview | int] = [self.data_start]
             for _, spec in self._order():
                 if spec.end > spec.start:
                     view = target((spec.start, spec.end))
                     segments.append(spec.end - spec.start if view is None else view)
+            largest = max((n for n in segments if isinstance(n, int)), default=1)
+            scratch = Scratch(digests, min(READ_CHUNK, largest))
             try:
                 with self.store.open_read(self.folder, self.file_name) as handle:
                     size, short = read_segments(handle, segments, scratch)
