@@ -77,7 +77,11 @@ def run(zygote: Zygote, settings: dict[str, Any], scratch: Path, log: Any) -> di
             log(f"restore: {SHOWN[name]} saves {nbytes / 1e6:.0f} MB")
             saved = zygote.call("restore-save", {"tool": name, "mb": mb,
                                                  "folder": str(folders[name])})  # fmt: skip
-            tools[name] = saved if "error" in saved else {"cold": [], "warm": []}
+            tools[name] = (
+                saved
+                if "error" in saved
+                else {"cold": [], "warm": [], "cold_restore": [], "warm_restore": []}
+            )
         for rep in range(settings["reps"]):
             log(f"restore: {nbytes / 1e6:.0f} MB, round {rep + 1} of {settings['reps']}")
             for name in NAMES:
@@ -91,17 +95,30 @@ def run(zygote: Zygote, settings: dict[str, Any], scratch: Path, log: Any) -> di
                         tools[name] = answer
                         break
                     tools[name][kind].append(answer["until_step_s"])
+                    tools[name][f"{kind}_restore"].append(answer["restore_s"])
         shutil.rmtree(scratch / "restore", ignore_errors=True)
         for item in tools.values():
-            for kind in ("cold", "warm"):
-                if kind in item:
+            for kind in ("cold", "warm", "cold_restore", "warm_restore"):
+                if item.get(kind):
                     item[f"{kind}_s"] = statistics.median(item[kind])
         sizes[str(mb)] = {"state_bytes": nbytes, "tools": tools}
     return {"settings": settings, "sizes": sizes}
 
 
 def render(results: dict[str, Any]) -> str:
-    """The page: per size, each loader's cold and warm time until the first step."""
+    """The page: per size, each loader's cold and warm time until the first step, then the
+    restore alone."""
+    lines = _table(results, "")
+    lines += [
+        "",
+        "The restore alone (the same runs, without the first step):",
+        "",
+        *_table(results, "_restore")[4:],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _table(results: dict[str, Any], suffix: str) -> list[str]:
     lines = [
         "# Restore until training runs again: torch.load, safetensors, nbresume",
         "",
@@ -123,13 +140,15 @@ def render(results: dict[str, Any]) -> str:
             if "error" in item:
                 cells += [f"failed: {str(item['error'])[:40]}", "–"]
             else:
-                cells += [f"{item['cold_s']:.3f} s", f"{item['warm_s']:.3f} s"]
+                cold, warm = item[f"cold{suffix}_s"], item[f"warm{suffix}_s"]
+                cells += [f"{cold:.3f} s", f"{warm:.3f} s"]
         ratios = []
         for kind in ("cold", "warm"):
-            others = [tools[n].get(f"{kind}_s") for n in NAMES[:2] if "error" not in tools[n]]
-            ours = tools["nbresume"].get(f"{kind}_s")
+            key = f"{kind}{suffix}_s"
+            others = [tools[n].get(key) for n in NAMES[:2] if "error" not in tools[n]]
+            ours = tools["nbresume"].get(key)
             known = [o for o in others if o is not None]
             ratios.append(f"{ours / min(known):.2f}x" if ours is not None and known else "–")
         size = f"{entry['state_bytes'] / 1e6:.0f} MB"
         lines.append(f"| {size} | " + " | ".join(cells) + f" | {' / '.join(ratios)} |")
-    return "\n".join(lines) + "\n"
+    return lines
