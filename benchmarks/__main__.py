@@ -2,12 +2,12 @@
 
 Prints the summary table, writes every page into ``benchmarks/results/`` (``side-by-side.md``
 and ``.json``, then one page per suite that has its own: ``io.md``, ``preflight.md``,
-``trainable.md``, ``lightning.md``, ``hf.md``), the plots into ``docs/img/`` and the generated
-part of ``docs/benchmarks.md``; every page starts with the same line (command, date, machine,
-file system, load average before and after), and a results file this run did not write is
-removed. With ``--out DIR`` everything goes into DIR (plots in DIR/img) and the documentation
-is left alone; ``--tiny``, ``--suites`` and ``--tools`` need ``--out`` (the published figures
-come from one whole run).
+``restore.md``, ``trainable.md``, ``lightning.md``, ``hf.md``), the plots into ``docs/img/``
+and the generated part of ``docs/benchmarks.md``; every page starts with the same line
+(command, date, machine, file system, load average before and after), and a results file this
+run did not write is removed. With ``--out DIR`` everything goes into DIR (plots in DIR/img)
+and the documentation is left alone; ``--tiny``, ``--suites`` and ``--tools`` need ``--out``
+(the published figures come from one whole run).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from benchmarks import (
     kill,
     loop,
     report,
+    restore_speed,
     resume,
     stall,
 )
@@ -54,6 +55,7 @@ MODES: dict[str, dict[str, Any]] = {
                  "pairs": 3},
         "kills": 1, "kill": {"mb": 1, "every": 3, "window": 0.2},
         "resume": {"mb": 3, "steps": 2, "more": 2, "reps": 1},
+        "restore": {"sizes": [3], "reps": 1},
         "io": {"sizes": [3], "reps": 1},
         "preflight": {"reps": 1},
         "trainable": {"layers": 4, "dim": 256, "rank": 4, "reps": 1},
@@ -66,6 +68,7 @@ MODES: dict[str, dict[str, Any]] = {
         "loop": {**REFERENCE_LOOP, "every": 16, "pairs": 12},
         "kills": 8, "kill": {"mb": 10, "every": 5, "window": 1.0},
         "resume": {"mb": 200, "steps": 2, "more": 2, "reps": 3},
+        "restore": {"sizes": [20, 200], "reps": 3},
         "io": {"sizes": [50, 500], "reps": 3},
         "preflight": {"reps": 3},
         "trainable": {"layers": 16, "dim": 2048, "rank": 16, "reps": 3},
@@ -77,6 +80,7 @@ MODES: dict[str, dict[str, Any]] = {
         "loop": {**REFERENCE_LOOP, "every": 40, "pairs": 20},
         "kills": 30, "kill": {"mb": 10, "every": 5, "window": 1.5},
         "resume": {"mb": 500, "steps": 2, "more": 2, "reps": 3},
+        "restore": {"sizes": [20, 200, 2000], "reps": 3},
         "io": {"sizes": [50, 500, 2000], "reps": 3},
         "preflight": {"reps": 5},
         "trainable": {"layers": 32, "dim": 2048, "rank": 16, "reps": 5},
@@ -84,12 +88,13 @@ MODES: dict[str, dict[str, Any]] = {
         "hf": {"hidden": 512, "layers": 8, "saves": 8},
     },
 }  # fmt: skip
-SUITES = ("preflight", "stall", "loop", "kill", "resume", "io", "trainable", "lightning", "hf")
+SUITES = ("preflight", "stall", "loop", "kill", "resume", "restore", "io", "trainable",
+          "lightning", "hf")  # fmt: skip
 #: The libraries a suite needs beyond torch; without them it is reported "not installed".
 NEEDS = {"lightning": ("lightning",), "hf": ("transformers", "accelerate")}
 #: The page each suite writes besides side-by-side.md (whose sections hold the other suites).
 PAGES = {"io": "io.md", "preflight": "preflight.md", "trainable": "trainable.md",
-         "lightning": "lightning.md", "hf": "hf.md"}  # fmt: skip
+         "lightning": "lightning.md", "hf": "hf.md", "restore": "restore.md"}  # fmt: skip
 
 
 def _lightning_child(args: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +115,8 @@ WORK: dict[str, Work] = {
     "kill-life": kill.life,
     "resume-save": resume.save_child,
     "resume-load": resume.load_child,
+    "restore-save": restore_speed.save_child,
+    "restore-load": restore_speed.load_child,
     "trainable": bench_trainable.child,
     "lightning": _lightning_child,
     "hf": _hf_child,
@@ -337,6 +344,9 @@ def _run_suite(suite: str, config: dict[str, Any], *, zygote: Zygote, tools: lis
     if suite == "resume":
         results["resume"] = resume.run(zygote, tools, config["resume"], scratch, log)
         return None
+    if suite == "restore":
+        results["restore"] = restore_speed.run(zygote, config["restore"], scratch, log)
+        return restore_speed.render(results["restore"])
     if suite == "io":
         log("io: hashes, save and restore against raw write and read")
         page, results["io"] = bench_io.run(

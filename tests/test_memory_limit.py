@@ -261,3 +261,40 @@ def test_tensors_staged_through_the_small_buffers_are_written_as_the_same_bytes(
             Path(whole.location) / name
         ).read_bytes(), name
     assert CheckpointStore(tmp_path / "staged").verify().ok
+
+
+# -- an allocation refused where no limit said so ------------------------------------------------
+
+
+def test_an_async_save_whose_copy_cannot_be_allocated_is_written_from_the_live_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No limit is known (a container that reports none, overcommit refused), and torch's
+    # allocator refuses the copy's buffers as it does on Linux: the save goes on from the live
+    # tensors instead of failing with the allocator's error.
+    monkeypatch.setenv("NBRESUME_CGROUP_ROOT", str(tmp_path / "no-cgroup"))
+    monkeypatch.setattr("nbresume.checkpoint.hooks._available_memory", None)
+
+    def refuse(source: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+            f"memory: you tried to allocate {source.nbytes} bytes. Error code 12 (Cannot "
+            "allocate memory)"
+        )
+
+    monkeypatch.setattr(snapshot, "host_buffer", refuse)
+    caplog.set_level(logging.WARNING, logger="nbresume")
+    model = Wide()
+    ckpt = Checkpointer(tmp_path / "run", async_save=True, model=model, **QUIET)
+    for step in (1, 2):
+        assert ckpt.save(step=step) is None
+        with torch.no_grad():
+            model.weight.add_(1.0)
+    ckpt.wait()
+    ckpt.close()
+    staged = [r.getMessage() for r in caplog.records if STAGED in r.getMessage()]
+    assert len(staged) == 1
+    assert "the allocation failed" in staged[0]
+    restored = Wide()
+    assert Checkpointer(tmp_path / "run", model=restored, **QUIET).restore() == 2
+    assert torch.equal(restored.weight, torch.arange(4 * MB, dtype=torch.float32) + 1)

@@ -199,3 +199,97 @@ def test_only_a_kernel_without_the_call_turns_prefaulting_off(
     failing[0] = errno.EINVAL
     assert not hashing._populate(0, 4096)
     assert hashing._POPULATE_WRITE == []  # not supported here: never asked again
+
+
+# -- a restore that reads into the model's own memory ------------------------------------------
+
+
+class Tied(nn.Module):
+    """24 MB of weights (three pieces of a read), a small bias, and a weight tied twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(2048, 3 * MB // 2048 * 2)
+        self.small = nn.Linear(4, 4)
+        self.other = nn.Linear(4, 4, bias=False)
+        self.other.weight = self.small.weight
+
+
+def trained(seed: int) -> tuple[Tied, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Tied()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.big(torch.randn(2, 2048)).sum().backward()
+    (model.small.weight.sum() + model.other.weight.sum()).backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def states(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t.detach().clone() for t in model.state_dict().values()]
+    for state in optimizer.state_dict()["state"].values():
+        out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+@pytest.mark.parametrize("hash_name", ["xxh3-128", "sha256"])
+def test_a_restore_into_the_live_tensors_gives_the_saved_bits_and_keeps_their_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hash_name: str
+) -> None:
+    # SHA-256 runs in a thread: the pieces read only to be hashed go through a ring of buffers.
+    monkeypatch.setenv("NBRESUME_HASH", hash_name)
+    model, optimizer = trained(0)
+    ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=optimizer, quiet=True)
+    ckpt.save(1)
+    ckpt.close()
+    expected = states(model, optimizer)
+    # A live optimizer with state of its own (read into) and one without (allocated once).
+    for stepped in (True, False):
+        live, live_optimizer = trained(1) if stepped else (Tied(), None)
+        live_optimizer = live_optimizer or torch.optim.Adam(live.parameters(), lr=0.1)
+        pointers = [t.data_ptr() for t in live.state_dict().values()]
+        again = Checkpointer(tmp_path / "run", model=live, optimizer=live_optimizer, quiet=True)
+        assert again.restore() == 1
+        again.close()
+        assert [t.data_ptr() for t in live.state_dict().values()] == pointers
+        assert live.other.weight is live.small.weight
+        got = states(live, live_optimizer)
+        assert len(got) == len(expected)
+        assert all(same_bits(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_file_changed_after_its_check_passes_the_checkpoint_over_for_the_older_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The second read, straight into the live tensors, finds the file changed since the first
+    # one checked it: the checkpoint is passed over, and the older one writes every tensor.
+    model, optimizer = trained(0)
+    ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=optimizer, quiet=True)
+    ckpt.save(1)
+    expected = states(model, optimizer)
+    model2, optimizer2 = trained(2)
+    model.load_state_dict(model2.state_dict())
+    optimizer.load_state_dict(optimizer2.state_dict())
+    ckpt.save(2)
+    ckpt.close()
+    from nbresume.checkpoint.store import streaming
+
+    fill = streaming.Streamed.fill
+
+    def changed_then_fill(self: streaming.Streamed) -> None:
+        if f"{step_dirname(2)}/" in self.where:
+            with open(self.where, "r+b") as handle:
+                handle.seek(-1000, os.SEEK_END)
+                byte = handle.read(1)
+                handle.seek(-1, os.SEEK_CUR)
+                handle.write(bytes([byte[0] ^ 0xFF]))
+        fill(self)
+
+    monkeypatch.setattr(streaming.Streamed, "fill", changed_then_fill)
+    live, live_optimizer = trained(3)
+    again = Checkpointer(tmp_path / "run", model=live, optimizer=live_optimizer, quiet=True)
+    with pytest.warns(RuntimeWarning, match="changed while it was being restored"):
+        assert again.restore() == 1
+    again.close()
+    got = states(live, live_optimizer)
+    assert all(same_bits(a, b) for a, b in zip(got, expected, strict=True))

@@ -39,6 +39,12 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint exists but does not match its manifest, or its files are malformed."""
 
 
+class MemoryLimitError(CheckpointError):
+    """A checkpoint could not be read or written for lack of memory (an allocation refused:
+    ENOMEM, the address-space limit): the checkpoint is not damaged, and is never passed
+    over as if it were."""
+
+
 class NoCheckpointError(CheckpointError):
     """No committed checkpoint that verifies was found."""
 

@@ -10,9 +10,11 @@ The protocol: nothing under ``checkpoint/`` imports a platform module. The layer
   as its ``after_stop`` when it is made; ``None``: no action;
 - how many CPUs this container may really use (:func:`provide_usable_cpus`), which the
   input-bound advice asks for through :func:`usable_cpus`; no provider: unknown;
-- how much memory this process may still allocate (:func:`provide_available_memory`), which
-  a save asks for through :func:`available_memory` before it copies the state into host
-  memory; no provider: unknown;
+- how much memory this process may still allocate (:func:`provide_available_memory`: its
+  cgroup's limit, the host's available memory), which a save asks for through
+  :func:`available_memory` before it copies the state into host memory; no provider:
+  unknown. The process's own address-space limit (``RLIMIT_AS``) counts whatever the
+  provider says;
 - how nbresume's own tools steer the loops of a script they run (:func:`provide_steering`:
   ``nbresume smoke`` stops every loop a few steps in, ``nbresume check`` saves every N steps,
   stops at step N and keeps the checkpoints in folders of its own), which the loop control
@@ -23,6 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from nbresume.checkpoint import procfs
+from nbresume.checkpoint.units import format_bytes
 
 
 def _own_folder(original: object) -> str | None:
@@ -98,12 +103,18 @@ def provide_available_memory(provider: Callable[[], tuple[int | None, str]] | No
 
 
 def available_memory() -> tuple[int | None, str]:
-    """The bytes this process may still allocate and what bounds them, from the registered
-    provider; ``(None, "")`` when unknown (no provider, or the provider failed)."""
+    """The bytes this process may still allocate and what bounds them: the registered
+    provider's answer, or the room under this process's address-space limit (``RLIMIT_AS``)
+    where that is less; ``(None, "")`` when unknown (no provider, or the provider failed,
+    and no such limit)."""
     try:
-        return _available_memory() if _available_memory is not None else (None, "")
+        found = _available_memory() if _available_memory is not None else (None, "")
     except Exception:
-        return None, ""
+        found = None, ""
+    room, limit = procfs.address_space_room()
+    if room is not None and limit is not None and (found[0] is None or room < found[0]):
+        return room, f"under the address-space limit (ulimit -v) of {format_bytes(limit)}"
+    return found
 
 
 def provide_steering(provider: Callable[[], Steering] | None) -> None:

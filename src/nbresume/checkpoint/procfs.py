@@ -70,3 +70,32 @@ def uptime() -> float | None:
         return float(text.split()[0])
     except (IndexError, ValueError):
         return None
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A size field of ``/proc/<pid>/status`` (``VmSize``: address space mapped; ``VmRSS``:
+    resident; ``VmHWM``: the peak of it) in bytes, or ``None``."""
+    for line in read_text(f"/proc/{pid}/status").splitlines():
+        name, _, value = line.partition(":")
+        if name == field:
+            try:
+                return int(value.split()[0]) * 1024
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def address_space_room() -> tuple[int | None, int | None]:
+    """The address space this process may still map under its ``RLIMIT_AS`` (``ulimit -v``,
+    common on Slurm and SGE sites), and that limit; ``(None, None)`` without a limit. Fresh
+    memory takes address space as soon as it is asked for, touched or not, so where such a
+    limit is set, it bounds what may be allocated before any page is used."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None, None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None, None
+    mapped = status_bytes("VmSize")
+    return (None if mapped is None else max(0, soft - mapped)), soft

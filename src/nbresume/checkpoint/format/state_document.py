@@ -24,7 +24,7 @@ import base64
 import math
 import random
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,18 +106,51 @@ _NP_KINDS = frozenset("biufcUSmM")
 
 
 def check_depth(document: Tree, *, where: str, limit: int = MAX_DEPTH) -> None:
-    """Refuse a document nested deeper than ``limit`` (iteratively: never a RecursionError)."""
-    stack: list[tuple[Any, int]] = [(document, 0)]
+    """Refuse a document nested deeper than ``limit`` (iteratively: never a RecursionError;
+    the memory it takes is one iterator per level, whatever the document's width)."""
+    stack: list[Iterator[Any]] = [iter((document,))]
     while stack:
-        value, depth = stack.pop()
-        if depth > limit:
-            raise CorruptCheckpointError(
-                f"invalid saved state: nested deeper than {limit} levels", where=where
-            )
-        if isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value)
+        value = next(stack[-1], _END)
+        if value is _END:
+            stack.pop()
+        elif isinstance(value, (dict, list)):
+            if len(stack) > limit:
+                raise CorruptCheckpointError(
+                    f"invalid saved state: nested deeper than {limit} levels", where=where
+                )
+            stack.append(iter(value.values() if isinstance(value, dict) else value))
+
+
+_END = object()
+
+#: What parsing a JSON document may take in memory, in multiples of its size. Python's objects
+#: are larger than the text they come from: an empty object (``{}``, two bytes) is some 64, a
+#: list some 56, a reference to any value 8. A document whose estimated cost is more (an
+#: object or a list every few bytes: no state a program saves looks like that) is refused
+#: before it is parsed, so that what a checkpoint's JSON costs a reader stays a small
+#: multiple of its size (the 32 MiB the largest may have would otherwise take gigabytes).
+MAX_PARSE_FACTOR = 6
+#: Documents this small are parsed whatever their shape.
+_COST_FREE_BYTES = 1 << 20
+
+
+def check_parse_cost(raw: bytes | bytearray | memoryview, *, where: str) -> None:
+    """Refuse a JSON document whose parse would take more than :data:`MAX_PARSE_FACTOR`
+    times its size in memory, from a count of its brackets and commas (a string that holds
+    them counts them too: the estimate errs high only for such text)."""
+    data = bytes(raw) if isinstance(raw, memoryview) else raw
+    size = len(data)
+    if size <= _COST_FREE_BYTES:
+        return
+    containers = data.count(b"{") + data.count(b"[")
+    estimate = 72 * containers + 16 * data.count(b",")
+    if estimate > MAX_PARSE_FACTOR * size:
+        raise CorruptCheckpointError(
+            f"the JSON document holds {containers} objects and lists in {size} bytes: "
+            f"parsing it would take about {estimate >> 20} MiB of memory, more than "
+            f"{MAX_PARSE_FACTOR} times its size (no saved state is laid out that densely)",
+            where=where,
+        )
 
 
 def _declared(value: Any) -> dict[str, Any]:

@@ -351,6 +351,18 @@ def decode(
         raise _unbuildable(exc, where) from None
 
 
+def decode_specs(
+    buffer: bytearray | memoryview, specs: Mapping[str, TensorSpec], *, where: str
+) -> dict[str, Any]:
+    """Torch tensors on ``buffer`` where ``specs`` place them (their ranges counted from the
+    buffer's start, already checked): a file's tensors read into memory other than the
+    whole file's."""
+    try:
+        return _decode(buffer, 0, specs, where, "torch")
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise _unbuildable(exc, where) from None
+
+
 def _decode(
     buffer: bytearray | memoryview,
     data_start: int,

@@ -43,7 +43,7 @@ from nbresume.checkpoint.state import (
     Stager,
     tensor_bytes,
 )
-from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
+from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, is_out_of_memory
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CheckpointError, NbresumeError
 
@@ -115,11 +115,20 @@ class Saver:
         """Copy ``snapshot``'s tensors into the host buffers, for a write in the background,
         where that copy fits in memory; where it does not, the snapshot keeps the live
         tensors (it is written now, :meth:`finish`) and the buffers are let go."""
-        if self._copy_fits(self.buffers.missing(snapshot.tensors), snapshot.tensors):
-            snapshot.tensors, snapshot.landed = self.buffers.copy(snapshot.tensors)
-            snapshot.live = False
-        else:
-            self.buffers = HostBuffers()  # what an earlier copy held goes back
+        needed = self.buffers.missing(snapshot.tensors)
+        if self._copy_fits(needed, snapshot.tensors):
+            try:
+                snapshot.tensors, snapshot.landed = self.buffers.copy(snapshot.tensors)
+                snapshot.live = False
+                return
+            except (MemoryError, RuntimeError, OSError) as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                # The memory was not there after all (a limit nothing reported): the save
+                # is written from the live tensors, as where the copy is known not to fit.
+                self.buffers = HostBuffers()
+                self._tell(needed, snapshot.tensors, None, f"the allocation failed: {exc}")
+        self.buffers = HostBuffers()  # what an earlier copy held goes back
 
     def write(self, snapshot: Snapshot) -> CheckpointInfo:
         """Write, commit and verify ``snapshot`` through the store, its GPU tensors through
@@ -166,23 +175,33 @@ class Saver:
         available, bound = hooks.available_memory()
         if available is None or needed <= HOST_SHARE * available:
             return True
-        if not self._told:
-            self._told = True
-            log.warning(
-                "nbresume: the training state is %s; copying it into host memory would take "
-                "%s more, over %d%% of the %s this process can still allocate (%s). Saves are "
-                "written straight from the live tensors instead, tensors on a GPU through %s "
-                "of host buffers: the files are the same, but training waits for each save to "
-                "be written, not only for a copy. Fix: a machine with more RAM, a smaller "
-                "state (trainable_only=True), or fewer saves (a larger every=)",
-                format_bytes(tensor_bytes(tensors)),
-                format_bytes(needed),
-                round(HOST_SHARE * 100),
-                format_bytes(available),
-                bound or "as measured",
-                format_bytes(STAGE_BUFFERS * STAGE_PIECE),
-            )
+        self._tell(needed, tensors, available, bound or "as measured")
         return False
+
+    def _tell(
+        self, needed: int, tensors: dict[str, dict[str, Any]], available: int | None, bound: str
+    ) -> None:
+        """Say once that saves are written from the live tensors, and why."""
+        if self._told:
+            return
+        self._told = True
+        room = (
+            f"over {round(HOST_SHARE * 100)}% of the {format_bytes(available)} this process "
+            f"can still allocate ({bound})"
+            if available is not None
+            else f"more than this process could allocate ({bound})"
+        )
+        log.warning(
+            "nbresume: the training state is %s; copying it into host memory would take %s "
+            "more, %s. Saves are written straight from the live tensors instead, tensors on a "
+            "GPU through %s of host buffers: the files are the same, but training waits for "
+            "each save to be written, not only for a copy. Fix: a machine with more RAM, a "
+            "smaller state (trainable_only=True), or fewer saves (a larger every=)",
+            format_bytes(tensor_bytes(tensors)),
+            format_bytes(needed),
+            room,
+            format_bytes(STAGE_BUFFERS * STAGE_PIECE),
+        )
 
     def commit(
         self,

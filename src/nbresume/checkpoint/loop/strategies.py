@@ -267,7 +267,16 @@ class OneProcess(Strategy):
         check = self._checker(misfits, apply=True)
         placed = restoring.devices(self.host.objects)
         fits = self._fits(misfits)
-        self._newest(lambda: self.host.store.load(check=check, devices=placed, fits=fits), misfits)
+        objects = self.host.objects
+        self._newest(
+            lambda: self.host.store.load(
+                check=check,
+                devices=placed,
+                fits=fits,
+                targets=lambda heads: restoring.targets(heads, objects),
+            ),
+            misfits,
+        )
         self.host.restored = True
         return self.host.step
 

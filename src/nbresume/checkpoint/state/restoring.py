@@ -24,7 +24,7 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nbresume import knobs
@@ -59,8 +59,12 @@ class RestorePlan:
         *,
         rank: int = 0,
         world_size: int = 1,
+        fill: Callable[[], None] | None = None,
     ) -> None:
         self.where = where
+        #: Reads the saved bytes into the live tensors the plan's trees hold (the restore
+        #: reads into the objects' own memory: :func:`targets`); the first act of :func:`apply`.
+        self.fill = fill
         self.saved = saved
         self.rng = rng
         self.missing = missing
@@ -103,6 +107,7 @@ def plan(
         optimizer_extras.shrink_groups(grown)
         raise
     checked.rank, checked.world_size = rank, world_size
+    checked.fill = loaded.fill
     return checked
 
 
@@ -195,14 +200,23 @@ def apply(checked: RestorePlan, objects: Mapping[str, Any], pending: dict[str, A
         key=lambda n: (_is_checked_kind(objects[n]), is_module(objects[n])),
     )
     undo: list[tuple[str, Any, Any]] = []
+    fill, checked.fill = checked.fill, None
     try:
         restore_rng(checked.rng)
         for name in order:
             obj = objects[name]
+            if fill is not None and _is_checked_kind(obj):
+                # Every object that could still refuse its state is loaded: the saved bytes
+                # go into the live tensors (targets) now. A file that changed since it was
+                # verified raises here, and what was loaded is put back.
+                fill()
+                fill = None
             before = None if _is_checked_kind(obj) else _snapshot(obj)
             if before is not None:
                 undo.append((name, obj, before))  # the failing one too: it may be half done
             load_object(name, obj, saved.objects[name])
+        if fill is not None:
+            fill()
     except BaseException:
         for _, obj, before in reversed(undo):
             with contextlib.suppress(Exception):
@@ -285,6 +299,8 @@ def adopt_storages(module: Any, tree: Mapping[str, Any]) -> tuple[dict[str, Any]
         target = live[keys[0]]
         saved: list[Any] = [tree.get(key) for key in keys]
         last = saved[-1]  # what load_state_dict would leave in a tied weight
+        if last is target:
+            continue  # its saved bytes were read into it (targets)
         if (
             all(type(value) is torch.Tensor for value in saved)
             and last.device.type == "cpu"
@@ -306,6 +322,112 @@ def adopt_storages(module: Any, tree: Mapping[str, Any]) -> tuple[dict[str, Any]
             target.data = last
             out.update(dict.fromkeys(keys, target))
     return out, adopted
+
+
+def targets(heads: LoadedCheckpoint, objects: Mapping[str, Any]) -> dict[str, dict[Any, Any]]:
+    """The live tensors a checkpoint's tensors can be read into, per tensor file and by their
+    byte range in it (``heads``: a checkpoint that fits, its tensors their headers'
+    :class:`~nbresume.checkpoint.format.TensorSpec`): a module's parameters and buffers and
+    an optimizer's state tensors, where the live one is a plain, contiguous tensor in host
+    memory of the saved dtype and shape, the only live tensor on its memory. Reading into them
+    is what ``load_state_dict`` would do with the saved bytes, without a second copy of the
+    state in memory. A tied weight takes the bytes of the name ``load_state_dict`` copies last
+    (the other copies are read as before); tensors on a GPU, views, other layouts and
+    subclasses are read as before."""
+    torch = sys.modules.get("torch")
+    saved = heads.state
+    if torch is None or saved is None:
+        return {}
+    pairs: list[tuple[str, Any, Any]] = []  # (file, saved spec, live tensor)
+    for name, tree in saved.objects.items():
+        obj = objects.get(name)
+        if not _loads_as_torch_does(obj, torch):
+            continue  # its own load may refuse the state: read as before, put back if it does
+        if isinstance(obj, torch.nn.Module) and isinstance(tree, Mapping):
+            live = obj.state_dict(keep_vars=True)
+            found = [(tree[key], live[key]) for key in tree if key in live]
+        elif isinstance(obj, torch.optim.Optimizer):
+            found = _optimizer_pairs(obj, tree)
+        else:
+            continue
+        pairs += [(f"{name}.safetensors", spec, tensor) for spec, tensor in found]
+    # Memory -> the live tensors on it: only the one tensor of its memory is read into.
+    on_memory: dict[int, set[int]] = {}
+    for _, _, tensor in pairs:
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+            on_memory.setdefault(tensor.untyped_storage().data_ptr(), set()).add(id(tensor))
+    out: dict[str, dict[Any, Any]] = {}
+    taken: dict[int, tuple[str, Any]] = {}  # live tensor -> the (file, range) it takes
+    for file_name, spec, tensor in pairs:
+        if (
+            isinstance(spec, TensorSpec)
+            and spec.end > spec.start
+            and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided
+            and tensor.is_contiguous()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+            and signature(tensor) == signature(spec)
+            and len(on_memory[tensor.untyped_storage().data_ptr()]) == 1
+        ):
+            earlier = taken.pop(id(tensor), None)
+            if earlier is not None:  # a tied weight: the last name's bytes are what stays
+                del out[earlier[0]][earlier[1]]
+            span = (spec.start, spec.end)
+            out.setdefault(file_name, {})[span] = tensor
+            taken[id(tensor)] = (file_name, span)
+    return {file_name: spans for file_name, spans in out.items() if spans}
+
+
+def _loads_as_torch_does(obj: Any, torch: Any) -> bool:
+    """Whether ``obj`` is a module or optimizer whose load is torch's own, without hooks: a
+    checked state then loads without fail, so its tensors may be written before it is loaded.
+    A module of torch's own classes (BatchNorm's handling of an old state) counts as such."""
+    if isinstance(obj, torch.nn.Module):
+        for module in obj.modules():
+            kind = type(module)
+            if (
+                module._load_state_dict_pre_hooks
+                or module._load_state_dict_post_hooks
+                or kind.load_state_dict is not torch.nn.Module.load_state_dict
+                or (
+                    kind._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+                    and not kind._load_from_state_dict.__module__.startswith("torch.")
+                )
+            ):
+                return False
+        return True
+    if isinstance(obj, torch.optim.Optimizer):
+        return (
+            type(obj).load_state_dict is torch.optim.Optimizer.load_state_dict
+            and not getattr(obj, "_optimizer_load_state_dict_pre_hooks", None)
+            and not getattr(obj, "_optimizer_load_state_dict_post_hooks", None)
+        )
+    return False
+
+
+def _optimizer_pairs(optimizer: Any, tree: Any) -> list[tuple[Any, Any]]:
+    """(saved spec, live state tensor) of every state tensor an optimizer already holds,
+    paired as torch pairs them: parameters by position within the groups."""
+    if not isinstance(tree, Mapping):
+        return []
+    state, groups = tree.get("state"), tree.get("param_groups")
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        return []
+    if len(groups) != len(optimizer.param_groups):
+        return []
+    out = []
+    for saved_group, live_group in zip(groups, optimizer.param_groups, strict=True):
+        ids = saved_group.get("params") if isinstance(saved_group, Mapping) else None
+        if not isinstance(ids, list) or len(ids) != len(live_group["params"]):
+            return []
+        for saved_id, parameter in zip(ids, live_group["params"], strict=True):
+            saved_state = state.get(saved_id) if isinstance(saved_id, int) else None
+            live_state = optimizer.state.get(parameter)
+            if isinstance(saved_state, Mapping) and isinstance(live_state, Mapping):
+                out += [(v, live_state[k]) for k, v in saved_state.items() if k in live_state]
+    return out
 
 
 def devices(objects: Mapping[str, Any]) -> dict[str, Any]:

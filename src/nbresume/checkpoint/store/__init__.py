@@ -37,6 +37,7 @@ from nbresume.checkpoint.store.lease import (
     live_holder,
     this_process,
 )
+from nbresume.checkpoint.store.memory import is_out_of_memory, memory_error
 from nbresume.checkpoint.store.pending import PendingCheckpoint, encode
 from nbresume.checkpoint.store.reading import (
     decode_files,
@@ -72,7 +73,9 @@ __all__ = [
     "format_utc",
     "has_manifest",
     "holding",
+    "is_out_of_memory",
     "live_holder",
+    "memory_error",
     "newest_that_loads",
     "parse_json",
     "read_header",

@@ -509,6 +509,11 @@ class Digests:
         if md5:
             self._threads.append(HashThread(hashlib.md5(usedforsecurity=False), threaded=threaded))
 
+    @property
+    def threaded(self) -> bool:
+        """Whether a hash runs in a thread of its own (a buffer given may be read later)."""
+        return any(thread.threaded for thread in self._threads)
+
     def update(self, data: Buffer) -> None:
         for thread in self._threads:
             thread.update(data)

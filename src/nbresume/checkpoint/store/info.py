@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,3 +86,7 @@ class LoadedCheckpoint:
     skipped: list[VerifyResult] = field(default_factory=list)
     #: ``state.json`` checked and rebuilt, when it is a Checkpointer's (else ``None``).
     state: state_document.SavedState | None = None
+    #: Reads the saved bytes into the live tensors the checkpoint's tensors are (a restore
+    #: that reads into the objects' own memory: :mod:`~nbresume.checkpoint.store.streaming`);
+    #: ``None`` when there are none. Called once, when the restore is applied.
+    fill: Callable[[], None] | None = None

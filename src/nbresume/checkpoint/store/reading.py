@@ -70,6 +70,8 @@ from nbresume.checkpoint.store.hashing import (
     read_unsized,
 )
 from nbresume.checkpoint.store.info import LoadedCheckpoint, VerifyResult
+from nbresume.checkpoint.store.memory import is_out_of_memory, memory_error
+from nbresume.checkpoint.store.streaming import Span, Streamed, fill_all
 from nbresume.checkpoint.store.verdict import check_checkpoint, check_loaded
 from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 
@@ -153,8 +155,22 @@ def verify_folder(
             name, step, location, ok=False, problem=f"missing file: {exc.filename or exc}"
         )
     except OSError as exc:
+        if is_out_of_memory(exc):  # not the checkpoint's fault: said, not reported as damage
+            raise memory_error(exc, doing="verifying the checkpoint", where=location) from None
         return VerifyResult(name, step, location, ok=False, problem=f"cannot read: {exc}")
     return VerifyResult(name, step, location, ok=True, size=manifest.payload_bytes)
+
+
+def read_failure(exc: BaseException, where: str) -> BaseException:
+    """What a read that failed with ``exc`` raises: a refused allocation is memory
+    (:class:`~nbresume.errors.MemoryLimitError`), never damage; another system error makes
+    the file unreadable (CorruptCheckpointError: the checkpoint is passed over); anything
+    else is raised as it is."""
+    if is_out_of_memory(exc):
+        return memory_error(exc, doing="reading the checkpoint", where=where)
+    if isinstance(exc, OSError):
+        return CorruptCheckpointError(f"cannot read the file: {exc}", where=where)
+    return exc
 
 
 def check_stored_size(store: Store, name: str, file_name: str, entry: FileEntry) -> None:
@@ -329,8 +345,8 @@ def read_verified(
                             size += 1  # more bytes than the manifest says
             except FileNotFoundError:
                 raise CorruptCheckpointError("the file is missing", where=where) from None
-            except OSError as exc:
-                raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
+            except (OSError, MemoryError, RuntimeError) as exc:
+                raise read_failure(exc, where) from None
             pending[-1] = (file_name, entry, buffer, size, digests)
         results = {item[0]: item for item in pending}
         out: dict[str, Any] = {}
@@ -555,7 +571,10 @@ RNG_FILE = "rng"
 
 
 def parse_json(buffer: Buffer, *, where: str) -> Any:
-    """A JSON file of a checkpoint, its nesting bounded (nothing later can recurse too deep)."""
+    """A JSON file of a checkpoint, its nesting bounded (nothing later can recurse too deep)
+    and the memory its parse takes a small multiple of its size
+    (:func:`~nbresume.checkpoint.format.state_document.check_parse_cost`)."""
+    state_document.check_parse_cost(buffer, where=where)
     try:
         document = json.loads(str(buffer, "utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -613,6 +632,7 @@ def load_folder(
     devices: Mapping[str, Any] | None = None,
     *,
     fits: Callable[[LoadedCheckpoint], None] | None = None,
+    targets: Callable[[LoadedCheckpoint], Mapping[str, Mapping[Span, Any]]] | None = None,
 ) -> LoadedCheckpoint:
     """One checkpoint read, verified and decoded (raises CorruptCheckpointError); the tensor
     files named in ``devices`` are read onto those devices (:func:`read_verified`).
@@ -621,7 +641,36 @@ def load_folder(
     read and verified, each tensor a :class:`~nbresume.checkpoint.format.TensorSpec`):
     a CheckpointError it raises that is no CorruptCheckpointError (the checkpoint does not
     fit the objects it is for) is raised as :class:`Unfit` before any memory is taken for
-    the tensors, whatever the size the headers declare."""
+    the tensors, whatever the size the headers declare.
+
+    ``targets`` (with ``fits``) then names, per tensor file, the live tensors its tensors are
+    to be read into (by their byte range in the file's data area): those files are checked
+    now and their tensors without a target read (:class:`~.streaming.Streamed`); the targets
+    themselves take the saved bytes only when ``loaded.fill()`` is called, once the restore's
+    plan is checked. Until then the checkpoint's tensors for them are the live tensors, as
+    they were.
+
+    An allocation refused on the way raises :class:`~nbresume.errors.MemoryLimitError`:
+    memory, never a damaged checkpoint to pass over."""
+    try:
+        return _load_folder(store, step, name, framework, devices, fits=fits, targets=targets)
+    except (MemoryError, RuntimeError, OSError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        where = store.child(name)
+        raise memory_error(exc, doing="reading the checkpoint", where=where) from None
+
+
+def _load_folder(
+    store: Store,
+    step: int,
+    name: str,
+    framework: str,
+    devices: Mapping[str, Any] | None,
+    *,
+    fits: Callable[[LoadedCheckpoint], None] | None,
+    targets: Callable[[LoadedCheckpoint], Mapping[str, Mapping[Span, Any]]] | None,
+) -> LoadedCheckpoint:
     manifest = read_manifest(store, name, step)
     loaded = LoadedCheckpoint(step, store.child(name), manifest)
     # Nothing is parsed before every file's hash matched (a safetensors header excepted:
@@ -640,7 +689,24 @@ def load_folder(
             raise
         except CheckpointError as exc:
             raise Unfit(exc) from None
-        buffers.update(read_verified(store, name, tensors, devices))
+        wanted = targets(heads) if targets is not None else {}
+        streamed = [
+            Streamed(store, name, n, e, buffers[n].data_start, buffers[n], wanted[n])
+            for n, e in tensors.items()
+            if wanted.get(n) and n not in (devices or {})
+        ]
+        for item in streamed:
+            item.check()
+            buffers[item.file_name] = Decoded(item.tensors)
+        rest = {n: e for n, e in tensors.items() if not isinstance(buffers[n], Decoded)}
+        buffers.update(read_verified(store, name, rest, devices))
+        if streamed:
+            loaded.fill = lambda: fill_all(streamed)
+        # The JSON documents are parsed once: the headers' state is let go before the state
+        # is rebuilt with its tensors.
+        loaded.data.update(heads.data)
+        heads.state = None
+        buffers = {n: b for n, b in buffers.items() if n in tensors}
     else:
         buffers = read_verified(store, name, files, devices)
     decode_files(store, name, buffers, loaded, framework)
@@ -662,14 +728,23 @@ def read_specs(store: Store, name: str, file_name: str, entry: FileEntry) -> Spe
             read_into(handle, memoryview(head)[8:])
     except FileNotFoundError:
         raise CorruptCheckpointError("the file is missing", where=where) from None
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read the file: {exc}", where=where) from None
-    _, specs, _ = tensorfile.parse_header(head, where=where, total=entry.size)
-    return SpecsOnly(specs)
+    except (OSError, MemoryError, RuntimeError) as exc:
+        raise read_failure(exc, where) from None
+    data_start, specs, _ = tensorfile.parse_header(head, where=where, total=entry.size)
+    return SpecsOnly(specs, data_start=data_start)
 
 
 class SpecsOnly(dict[str, tensorfile.TensorSpec]):
     """A tensor file as its header describes it: each tensor's dtype and shape, no bytes."""
+
+    def __init__(self, specs: Mapping[str, tensorfile.TensorSpec], *, data_start: int) -> None:
+        super().__init__(specs)
+        #: Where the file's data area starts (the byte after its header).
+        self.data_start = data_start
+
+
+class Decoded(dict[str, Any]):
+    """A tensor file's tensors, already built (:class:`~.streaming.Streamed`)."""
 
 
 def decode_files(
@@ -685,7 +760,7 @@ def decode_files(
     for file_name, buffer in buffers.items():
         where = store.child(name, file_name)
         stem, kind = file_name.rsplit(".", 1)
-        if isinstance(buffer, SpecsOnly):
+        if isinstance(buffer, (SpecsOnly, Decoded)):
             loaded.tensors[stem] = buffer
         elif kind == "safetensors" and tensorfile.is_device_bytes(buffer):
             loaded.tensors[stem] = tensorfile.decode_device(buffer, where=where)

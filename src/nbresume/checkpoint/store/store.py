@@ -65,6 +65,7 @@ from nbresume.checkpoint.store.info import (
 )
 from nbresume.checkpoint.store.pending import PendingCheckpoint, encode, size_of
 from nbresume.checkpoint.store.reading import verify_folder
+from nbresume.checkpoint.store.streaming import Span
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
@@ -257,6 +258,7 @@ class CheckpointStore:
         check: Callable[[LoadedCheckpoint], None] | None = None,
         devices: Mapping[str, Any] | None = None,
         fits: Callable[[LoadedCheckpoint], None] | None = None,
+        targets: Callable[[LoadedCheckpoint], Mapping[str, Mapping[Span, Any]]] | None = None,
     ) -> LoadedCheckpoint:
         """The newest checkpoint that verifies (or exactly the one of ``step``).
 
@@ -277,12 +279,16 @@ class CheckpointStore:
         tensors are read (:func:`~nbresume.checkpoint.store.reading.load_folder`): one that does
         not fit is passed over as ``check`` passes it over, without taking memory for the
         tensors it declares.
+
+        ``targets`` names, for a candidate that fits, the live tensors its tensors are read
+        into (a restore in the objects' own memory): the checkpoint's ``fill()`` writes
+        them once its plan is checked (:mod:`~nbresume.checkpoint.store.streaming`).
         """
 
         def load_one(found_step: int, name: str) -> LoadedCheckpoint | None:
             try:
                 return reading.load_folder(
-                    self.backend, found_step, name, framework, devices, fits=fits
+                    self.backend, found_step, name, framework, devices, fits=fits, targets=targets
                 )
             except CorruptCheckpointError:
                 if not self.has_manifest(name):
