@@ -83,7 +83,7 @@ def test_every_page_of_a_run_starts_with_the_same_header(
     results, out = tiny
     pages = sorted(out.glob("*.md"))
     assert [p.name for p in pages] == [
-        "io.md", "lightning.md", "preflight.md", "side-by-side.md", "trainable.md"
+        "io.md", "lightning.md", "preflight.md", "restore.md", "side-by-side.md", "trainable.md"
     ]  # fmt: skip
     assert not (out / "hf.md").exists()  # an earlier run's page is removed, not left beside
     assert results["suites"]["hf"] == {"status": "not run in this mode"}

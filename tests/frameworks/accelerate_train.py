@@ -83,6 +83,10 @@ def main(argv: list[str]) -> None:
             optimizer.step()
             scheduler.step()
             if ck.step + 1 == args.kill_at:
+                # The save before the kill has committed (on a loaded machine a background
+                # save can still be in flight): this kill tests the resume from it; kills in
+                # the middle of a save are the fault tests' part.
+                ck.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
     ck.close()
     print(f"rank {rank} done {ck.step}", flush=True)
