@@ -59,13 +59,16 @@ class Check:
         return self.process.returncode, out
 
 
-def start_check(folder: Path, script: Path, *options: str) -> Check:
+def start_check(folder: Path, script: Path, *options: str, steps: int | None = STEPS) -> Check:
+    """``nbresume check`` of a copy of ``script`` (``steps``: the budget; ``None``: the
+    default, the script's whole run where it is short)."""
     folder.mkdir(parents=True)
     shutil.copy(script, folder / script.name)
     tmp = folder / "tmp"
     tmp.mkdir()
     command = [sys.executable, "-m", "nbresume", "check", "--seed", str(SEED)]
-    command += ["--steps", str(STEPS), *options, "--", sys.executable, script.name]
+    budget = ["--steps", str(steps)] if steps is not None else []
+    command += [*budget, *options, "--", sys.executable, script.name]
     process = subprocess.Popen(
         command,
         cwd=folder,
@@ -87,6 +90,16 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Check
         "random_sampler": SCRIPTS / "random_sampler.py",
     }
     started = {name: start_check(base / name, path) for name, path in scripts.items()}
+    # With the default options: the whole run of a short script, the first steps of a long one.
+    started["local_counter"] = start_check(
+        base / "local_counter", SCRIPTS / "local_counter.py", steps=None
+    )
+    started["long_run"] = start_check(
+        base / "long_run", SCRIPTS / "long_run.py", "--cover", "2", steps=None
+    )
+    started["accelerate"] = start_check(
+        base / "accelerate", SCRIPTS / "accelerate_project_dir.py", steps=6
+    )
     yield started
     for check in started.values():
         if check.process.poll() is None:
@@ -109,9 +122,14 @@ def test_the_getting_started_script_resumes_exactly(checks: dict[str, Check]) ->
     assert f"run 1 (uninterrupted, twice side by side): done at step {STEPS}" in out
     assert "(inside a save)" in out  # at least one of the kills landed inside a save
     assert "run 2: resumed at step" in out
-    assert f"done at step {STEPS}" in out.splitlines()[-2]
-    assert out.splitlines()[-1].startswith(f"exact: the final checkpoints (step {STEPS})")
+    assert f"done at step {STEPS}" in out.splitlines()[-3]
+    assert out.splitlines()[-2].startswith(f"exact: the final checkpoints (step {STEPS})")
     assert "model, optimizer, RNG (torch), loader position" in out
+    # The budget ended the run before its end, and the verdict says so.
+    assert out.splitlines()[-1] == (
+        f"covered: the first {STEPS} of 1,000 steps; differences that begin later are not "
+        "seen: --steps N checks the first N"
+    )
 
 
 @pytest.mark.slow
@@ -148,6 +166,49 @@ def test_a_sampler_shuffling_with_random_resumes_exactly(checks: dict[str, Check
     assert code == 0, out
     assert "exact: the final checkpoints (step 12) are bit-identical" in out
     assert "RNG (python, torch)" in out  # seeded by the script: compared, and equal
+
+
+@pytest.mark.slow
+def test_by_default_a_short_script_is_checked_to_its_end_and_a_late_difference_is_caught(
+    checks: dict[str, Check],
+) -> None:
+    # Its own counter lowers the learning rate after 30 steps: past a budget of 20 steps.
+    code, out = finished(checks["local_counter"])
+    assert code == 1, out
+    assert "the whole run (if it ends in 120 s)" in out.splitlines()[0]
+    assert "run 1 (uninterrupted, twice side by side): done at step 40" in out
+    assert "DIFFERENT: the resumed run did not end as the uninterrupted one" in out
+    assert "param_groups/0/lr (0.001 in run 1, 0.01 in run 2)" in out
+    assert "covered: the script's whole run, 40 steps, to its end" in out
+    assert f"repeat this check: nbresume check --seed {SEED} --kills 2 --" in out
+
+
+@pytest.mark.slow
+def test_a_long_script_is_checked_on_a_budget_and_the_verdict_says_what_it_covered(
+    checks: dict[str, Check],
+) -> None:
+    code, out = finished(checks["long_run"])
+    assert "run 1 did not end within 2 s" in out, out
+    assert "checking the first 20 steps" in out
+    assert "run 1 (uninterrupted, twice side by side): done at step 20" in out
+    assert (
+        "covered: the first 20 of 60,000 steps; differences that begin later are not seen: "
+        "--steps N checks the first N"
+    ) in out
+    assert code == 0, out
+    assert "exact: the final checkpoints (step 20) are bit-identical" in out
+
+
+@pytest.mark.slow
+def test_a_framework_writing_into_a_fixed_relative_folder_runs_side_by_side(
+    checks: dict[str, Check],
+) -> None:
+    # Accelerate's save_state() refuses a project_dir checkpoint folder that exists: two runs
+    # sharing accelerate_out/ would fail. Each run has a working folder of its own.
+    code, out = finished(checks["accelerate"])
+    assert code == 0, out
+    assert "exact: the final checkpoints (step 6) are bit-identical" in out
+    assert not (checks["accelerate"].tmp.parent / "accelerate_out").exists()
 
 
 # -- usage, and a script that fails ----------------------------------------------------------
