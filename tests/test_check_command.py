@@ -97,6 +97,9 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Check
     started["long_run"] = start_check(
         base / "long_run", SCRIPTS / "long_run.py", "--cover", "2", steps=None
     )
+    started["unregistered_env"] = start_check(
+        base / "unregistered_env", SCRIPTS / "unregistered_env.py", steps=None
+    )
     started["accelerate"] = start_check(
         base / "accelerate", SCRIPTS / "accelerate_project_dir.py", steps=6
     )
@@ -179,8 +182,25 @@ def test_by_default_a_short_script_is_checked_to_its_end_and_a_late_difference_i
     assert "run 1 (uninterrupted, twice side by side): done at step 40" in out
     assert "DIFFERENT: the resumed run did not end as the uninterrupted one" in out
     assert "param_groups/0/lr (0.001 in run 1, 0.01 in run 2)" in out
+    # The cause, from what the runs showed: the learning rate, and the global that set it.
+    assert "likely cause: a counter in a local variable" in out
+    assert "local_counter.py's global `trained` (40 in run 1, " in out
+    assert "cause: not determined" not in out
     assert "covered: the script's whole run, 40 steps, to its end" in out
     assert f"repeat this check: nbresume check --seed {SEED} --kills 2 --" in out
+
+
+@pytest.mark.slow
+def test_an_environment_with_its_own_generator_not_given_to_the_checkpointer_is_named(
+    checks: dict[str, Check],
+) -> None:
+    code, out = finished(checks["unregistered_env"])
+    assert code == 1, out
+    assert "  the script's global 'env.rng' (random.Random): its state differs at the end" in out
+    assert "likely cause: an object of the script with a random generator of its own" in out
+    assert "held by `env`: no Checkpointer restores it" in out
+    assert "fix: give its generator to the Checkpointer by name" in out
+    assert "likely cause: an unsaved random generator" not in out  # one cause, not a guess
 
 
 @pytest.mark.slow
