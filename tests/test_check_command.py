@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -24,10 +25,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import nbresume
 from nbresume import knobs
 from nbresume.checkpoint.loop import Cadence
+from nbresume.resumecheck import causes, observe
+from nbresume.resumecheck.compare import MODEL, Comparison, Difference
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "check_scripts"
@@ -144,7 +148,9 @@ def test_a_generator_not_given_to_the_checkpointer_is_caught_and_named(
     assert "DIFFERENT: the resumed run did not end as the uninterrupted one" in out
     assert "  model 'model': 4 of 4 differ: 0.weight (by up to" in out
     assert "likely cause: an unsaved random generator" in out
-    assert "unsaved_generator.py makes `rng = np.random.default_rng(...)`" in out
+    # Observed: the generator, a global of the script, ended in another state.
+    assert "  the script's global 'rng' (numpy Generator): its state differs at the end" in out
+    assert "the generator `rng` (numpy Generator) of unsaved_generator.py ended in another " in out
     assert "fix: give it to the Checkpointer" in out
     assert f"repeat this check: nbresume check --seed {SEED} --steps {STEPS} --kills 2 --" in out
 
@@ -525,3 +531,51 @@ def test_save_every_overrides_the_cadence_given(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(knobs.SAVE_EVERY.name, "0")
     with pytest.raises(nbresume.errors.UsageError, match="NBRESUME_SAVE_EVERY='0'"):
         never.due(1, 0.0)
+
+
+# -- what the check observes of the script's globals, and the causes it names from them -------
+
+
+class Environment:
+    """An RL-style environment with a generator of its own."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.noise = np.random.default_rng(seed)
+
+
+def test_the_globals_noted_are_generators_their_holders_attributes_and_counters() -> None:
+    env = Environment(1)
+    before = (env.rng.getstate(), env.noise.bit_generator.state)
+    noted = observe.observe(
+        {"env": env, "trained": 30, "flag": True, "_hidden": 3, "gen": torch.Generator(), "np": np}
+    )
+    assert set(noted) == {"env.rng", "env.noise", "trained", "gen"}
+    assert noted["trained"] == {"kind": "counter", "value": 30}
+    assert noted["env.rng"]["kind"] == "random.Random"
+    assert noted["env.noise"]["kind"] == "numpy Generator"
+    assert (env.rng.getstate(), env.noise.bit_generator.state) == before  # read, not drawn
+    env.rng.random()
+    later = observe.observe({"env": env, "trained": 12})
+    assert observe.differing(noted, later, leave_out=set()) == [
+        ("env.rng", "random.Random", "its state differs at the end"),
+        ("trained", "counter", "30 in run 1, 12 in run 2"),
+    ]
+    assert observe.differing(noted, later, leave_out={"trained"})[0][0] == "env.rng"
+
+
+def weights_differ() -> Comparison:
+    model = Difference(MODEL, "model", [("weight", "by up to 0.1")], total=2)
+    return Comparison([model], {"": (12, 12)}, {"": {MODEL}})
+
+
+def test_an_environment_whose_generator_a_resume_did_not_carry_is_the_cause_named() -> None:
+    env = [("env.rng", "random.Random", "its state differs at the end")]
+    found = causes.likely_causes(weights_differ(), "self.rng = random.Random(seed)\n", "rl.py", env)
+    assert [v.cause for v in found] == [causes.ENVIRONMENT]
+    assert "`env.rng` (random.Random) of rl.py ended in another state" in found[0].evidence
+    assert "held by `env`" in found[0].evidence
+
+
+def test_weights_that_differ_with_nothing_pointing_at_a_cause_name_none() -> None:
+    assert causes.likely_causes(weights_differ(), "x = 1\n", "train.py") == []
