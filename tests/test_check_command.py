@@ -288,7 +288,8 @@ if f"hang-in={run}" in sys.argv or (run == "run1b" and "hang-in=run1" in sys.arg
     ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     ignore = ignore if "stubborn" in sys.argv else ""
     child = subprocess.Popen([sys.executable, "-c", ignore + "import time; time.sleep(600)"])
-    with open("pids", "a") as note:
+    # Beside the script itself: each run works in a folder of its own (links to this one).
+    with open(os.path.join(os.path.dirname(os.path.realpath(__file__)), "pids"), "a") as note:
         note.write(f"{os.getpid()} {child.pid}\\n")
     if "fail" in sys.argv:
         raise SystemExit(3)
