@@ -538,18 +538,29 @@ def test_save_every_overrides_the_cadence_given(monkeypatch: pytest.MonkeyPatch)
 
 
 class Environment:
-    """An RL-style environment with a generator of its own."""
+    """An RL-style environment with a generator of its own (callable, as some are)."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.noise = np.random.default_rng(seed)
+
+    def __call__(self) -> float:
+        return self.rng.random()
 
 
 def test_the_globals_noted_are_generators_their_holders_attributes_and_counters() -> None:
     env = Environment(1)
     before = (env.rng.getstate(), env.noise.bit_generator.state)
     noted = observe.observe(
-        {"env": env, "trained": 30, "flag": True, "_hidden": 3, "gen": torch.Generator(), "np": np}
+        {
+            "env": env,
+            "trained": 30,
+            "flag": True,
+            "_hidden": 3,
+            "gen": torch.Generator(),
+            "np": np,
+            "observe": observe.observe,
+        }
     )
     assert set(noted) == {"env.rng", "env.noise", "trained", "gen"}
     assert noted["trained"] == {"kind": "counter", "value": 30}

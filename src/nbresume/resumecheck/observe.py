@@ -31,12 +31,24 @@ def note_at_exit(root: str) -> None:
 
 
 def _write(root: Path) -> None:
+    import multiprocessing
+
     main = sys.modules.get("__main__")
-    if main is None:
-        return
+    if main is None or multiprocessing.parent_process() is not None:
+        return  # a DataLoader's worker: only the script's own process speaks for it
     with contextlib.suppress(OSError, TypeError, ValueError):
         root.mkdir(parents=True, exist_ok=True)
         (root / NOTE).write_text(json.dumps(observe(vars(main))))
+
+
+#: What a script's globals hold that is code, not state.
+_NOT_STATE = (
+    types.ModuleType,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+)
 
 
 def observe(names: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -44,7 +56,7 @@ def observe(names: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ``names`` holds, attributes of its objects included (``env.rng``)."""
     found: dict[str, dict[str, Any]] = {}
     for name, value in names.items():
-        if name.startswith("_") or isinstance(value, (types.ModuleType, type)) or callable(value):
+        if name.startswith("_") or isinstance(value, _NOT_STATE):
             continue
         if isinstance(value, int) and not isinstance(value, bool):
             found[name] = {"kind": "counter", "value": value}
