@@ -248,8 +248,10 @@ class _Check:
                 "--cover SECONDS a longer wait)"
             )
             for run in (first, again):
-                shutil.rmtree(run.root, ignore_errors=True)
-                shutil.rmtree(run.cwd or run.root, ignore_errors=True)
+                # Links are removed, never followed: the current folder's files stay.
+                for folder in (run.root, run.cwd):
+                    if folder is not None:
+                        shutil.rmtree(folder, ignore_errors=True)
                 run.root.mkdir()
                 run.cwd = working_folder(work / f"{run.root.name}.cwd", Path.cwd())
                 run.legs.clear()
