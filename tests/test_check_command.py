@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -24,10 +25,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import nbresume
 from nbresume import knobs
 from nbresume.checkpoint.loop import Cadence
+from nbresume.resumecheck import causes, observe
+from nbresume.resumecheck.compare import MODEL, Comparison, Difference
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "check_scripts"
@@ -59,13 +63,16 @@ class Check:
         return self.process.returncode, out
 
 
-def start_check(folder: Path, script: Path, *options: str) -> Check:
+def start_check(folder: Path, script: Path, *options: str, steps: int | None = STEPS) -> Check:
+    """``nbresume check`` of a copy of ``script`` (``steps``: the budget; ``None``: the
+    default, the script's whole run where it is short)."""
     folder.mkdir(parents=True)
     shutil.copy(script, folder / script.name)
     tmp = folder / "tmp"
     tmp.mkdir()
     command = [sys.executable, "-m", "nbresume", "check", "--seed", str(SEED)]
-    command += ["--steps", str(STEPS), *options, "--", sys.executable, script.name]
+    budget = ["--steps", str(steps)] if steps is not None else []
+    command += [*budget, *options, "--", sys.executable, script.name]
     process = subprocess.Popen(
         command,
         cwd=folder,
@@ -87,6 +94,19 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Check
         "random_sampler": SCRIPTS / "random_sampler.py",
     }
     started = {name: start_check(base / name, path) for name, path in scripts.items()}
+    # With the default options: the whole run of a short script, the first steps of a long one.
+    started["local_counter"] = start_check(
+        base / "local_counter", SCRIPTS / "local_counter.py", steps=None
+    )
+    started["long_run"] = start_check(
+        base / "long_run", SCRIPTS / "long_run.py", "--cover", "2", steps=None
+    )
+    started["unregistered_env"] = start_check(
+        base / "unregistered_env", SCRIPTS / "unregistered_env.py", steps=None
+    )
+    started["accelerate"] = start_check(
+        base / "accelerate", SCRIPTS / "accelerate_project_dir.py", steps=6
+    )
     yield started
     for check in started.values():
         if check.process.poll() is None:
@@ -109,9 +129,14 @@ def test_the_getting_started_script_resumes_exactly(checks: dict[str, Check]) ->
     assert f"run 1 (uninterrupted, twice side by side): done at step {STEPS}" in out
     assert "(inside a save)" in out  # at least one of the kills landed inside a save
     assert "run 2: resumed at step" in out
-    assert f"done at step {STEPS}" in out.splitlines()[-2]
-    assert out.splitlines()[-1].startswith(f"exact: the final checkpoints (step {STEPS})")
+    assert f"done at step {STEPS}" in out.splitlines()[-3]
+    assert out.splitlines()[-2].startswith(f"exact: the final checkpoints (step {STEPS})")
     assert "model, optimizer, RNG (torch), loader position" in out
+    # The budget ended the run before its end, and the verdict says so.
+    assert out.splitlines()[-1] == (
+        f"covered: the first {STEPS} of 1,000 steps; differences that begin later are not "
+        "seen: --steps N checks the first N"
+    )
 
 
 @pytest.mark.slow
@@ -123,7 +148,9 @@ def test_a_generator_not_given_to_the_checkpointer_is_caught_and_named(
     assert "DIFFERENT: the resumed run did not end as the uninterrupted one" in out
     assert "  model 'model': 4 of 4 differ: 0.weight (by up to" in out
     assert "likely cause: an unsaved random generator" in out
-    assert "unsaved_generator.py makes `rng = np.random.default_rng(...)`" in out
+    # Observed: the generator, a global of the script, ended in another state.
+    assert "  the script's global 'rng' (numpy Generator): its state differs at the end" in out
+    assert "the generator `rng` (numpy Generator) of unsaved_generator.py ended in another " in out
     assert "fix: give it to the Checkpointer" in out
     assert f"repeat this check: nbresume check --seed {SEED} --steps {STEPS} --kills 2 --" in out
 
@@ -148,6 +175,66 @@ def test_a_sampler_shuffling_with_random_resumes_exactly(checks: dict[str, Check
     assert code == 0, out
     assert "exact: the final checkpoints (step 12) are bit-identical" in out
     assert "RNG (python, torch)" in out  # seeded by the script: compared, and equal
+
+
+@pytest.mark.slow
+def test_by_default_a_short_script_is_checked_to_its_end_and_a_late_difference_is_caught(
+    checks: dict[str, Check],
+) -> None:
+    # Its own counter lowers the learning rate after 30 steps: past a budget of 20 steps.
+    code, out = finished(checks["local_counter"])
+    assert code == 1, out
+    assert "the whole run (if it ends in 120 s)" in out.splitlines()[0]
+    assert "run 1 (uninterrupted, twice side by side): done at step 40" in out
+    assert "DIFFERENT: the resumed run did not end as the uninterrupted one" in out
+    assert "param_groups/0/lr (0.001 in run 1, 0.01 in run 2)" in out
+    # The cause, from what the runs showed: the learning rate, and the global that set it.
+    assert "likely cause: a counter in a local variable" in out
+    assert "local_counter.py's global `trained` (40 in run 1, " in out
+    assert "cause: not determined" not in out
+    assert "covered: the script's whole run, 40 steps, to its end" in out
+    assert f"repeat this check: nbresume check --seed {SEED} --kills 2 --" in out
+
+
+@pytest.mark.slow
+def test_an_environment_with_its_own_generator_not_given_to_the_checkpointer_is_named(
+    checks: dict[str, Check],
+) -> None:
+    code, out = finished(checks["unregistered_env"])
+    assert code == 1, out
+    assert "  the script's global 'env.rng' (random.Random): its state differs at the end" in out
+    assert "likely cause: an object of the script with a random generator of its own" in out
+    assert "held by `env`: no Checkpointer restores it" in out
+    assert "fix: give its generator to the Checkpointer by name" in out
+    assert "likely cause: an unsaved random generator" not in out  # one cause, not a guess
+
+
+@pytest.mark.slow
+def test_a_long_script_is_checked_on_a_budget_and_the_verdict_says_what_it_covered(
+    checks: dict[str, Check],
+) -> None:
+    code, out = finished(checks["long_run"])
+    assert "run 1 did not end within 2 s" in out, out
+    assert "checking the first 20 steps" in out
+    assert "run 1 (uninterrupted, twice side by side): done at step 20" in out
+    assert (
+        "covered: the first 20 of 60,000 steps; differences that begin later are not seen: "
+        "--steps N checks the first N"
+    ) in out
+    assert code == 0, out
+    assert "exact: the final checkpoints (step 20) are bit-identical" in out
+
+
+@pytest.mark.slow
+def test_a_framework_writing_into_a_fixed_relative_folder_runs_side_by_side(
+    checks: dict[str, Check],
+) -> None:
+    # Accelerate's save_state() refuses a project_dir checkpoint folder that exists: two runs
+    # sharing accelerate_out/ would fail. Each run has a working folder of its own.
+    code, out = finished(checks["accelerate"])
+    assert code == 0, out
+    assert "exact: the final checkpoints (step 6) are bit-identical" in out
+    assert not (checks["accelerate"].tmp.parent / "accelerate_out").exists()
 
 
 # -- usage, and a script that fails ----------------------------------------------------------
@@ -201,7 +288,8 @@ if f"hang-in={run}" in sys.argv or (run == "run1b" and "hang-in=run1" in sys.arg
     ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     ignore = ignore if "stubborn" in sys.argv else ""
     child = subprocess.Popen([sys.executable, "-c", ignore + "import time; time.sleep(600)"])
-    with open("pids", "a") as note:
+    # Beside the script itself: each run works in a folder of its own (links to this one).
+    with open(os.path.join(os.path.dirname(os.path.realpath(__file__)), "pids"), "a") as note:
         note.write(f"{os.getpid()} {child.pid}\\n")
     if "fail" in sys.argv:
         raise SystemExit(3)
@@ -444,3 +532,62 @@ def test_save_every_overrides_the_cadence_given(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(knobs.SAVE_EVERY.name, "0")
     with pytest.raises(nbresume.errors.UsageError, match="NBRESUME_SAVE_EVERY='0'"):
         never.due(1, 0.0)
+
+
+# -- what the check observes of the script's globals, and the causes it names from them -------
+
+
+class Environment:
+    """An RL-style environment with a generator of its own (callable, as some are)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.noise = np.random.default_rng(seed)
+
+    def __call__(self) -> float:
+        return self.rng.random()
+
+
+def test_the_globals_noted_are_generators_their_holders_attributes_and_counters() -> None:
+    env = Environment(1)
+    before = (env.rng.getstate(), env.noise.bit_generator.state)
+    noted = observe.observe(
+        {
+            "env": env,
+            "trained": 30,
+            "flag": True,
+            "_hidden": 3,
+            "gen": torch.Generator(),
+            "np": np,
+            "observe": observe.observe,
+        }
+    )
+    assert set(noted) == {"env.rng", "env.noise", "trained", "gen"}
+    assert noted["trained"] == {"kind": "counter", "value": 30}
+    assert noted["env.rng"]["kind"] == "random.Random"
+    assert noted["env.noise"]["kind"] == "numpy Generator"
+    assert (env.rng.getstate(), env.noise.bit_generator.state) == before  # read, not drawn
+    env.rng.random()
+    later = observe.observe({"env": env, "trained": 12})
+    assert observe.differing(noted, later, leave_out=set()) == [
+        ("env.rng", "random.Random", "its state differs at the end"),
+        ("trained", "counter", "30 in run 1, 12 in run 2"),
+    ]
+    assert observe.differing(noted, later, leave_out={"trained"})[0][0] == "env.rng"
+
+
+def weights_differ() -> Comparison:
+    model = Difference(MODEL, "model", [("weight", "by up to 0.1")], total=2)
+    return Comparison([model], {"": (12, 12)}, {"": {MODEL}})
+
+
+def test_an_environment_whose_generator_a_resume_did_not_carry_is_the_cause_named() -> None:
+    env = [("env.rng", "random.Random", "its state differs at the end")]
+    found = causes.likely_causes(weights_differ(), "self.rng = random.Random(seed)\n", "rl.py", env)
+    assert [v.cause for v in found] == [causes.ENVIRONMENT]
+    assert "`env.rng` (random.Random) of rl.py ended in another state" in found[0].evidence
+    assert "held by `env`" in found[0].evidence
+
+
+def test_weights_that_differ_with_nothing_pointing_at_a_cause_name_none() -> None:
+    assert causes.likely_causes(weights_differ(), "x = 1\n", "train.py") == []

@@ -73,6 +73,12 @@ def _steering() -> _hooks.Steering:
 
 
 _hooks.provide_steering(_steering)
+if _knobs.CHECK_DIR.raw().strip():
+    # A run of `nbresume check`: the script's globals are noted at its end, so that the check
+    # sees which of them (an environment's own generator, a counter) a resume did not carry.
+    from nbresume.resumecheck.observe import note_at_exit as _note_at_exit
+
+    _note_at_exit(_knobs.CHECK_DIR.raw().strip())
 # A Checkpointer that nothing shows (a plain script without init) shows a status line on stderr.
 
 

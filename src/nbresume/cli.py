@@ -361,6 +361,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         kills=args.kills,
         seed=args.seed,
         timeout_s=args.timeout,
+        cover_s=args.cover,
         keep=args.keep,
     )
 
@@ -791,8 +792,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "check",
         help="test your own script for exact resume: kill it, resume it, compare",
-        description="Run CMD (your training script, as you run it) on a small budget of "
-        "steps, in temporary folders that every Checkpointer of the script saves into: once "
+        description="Run CMD (your training script, as you run it) to its end when it ends "
+        "within --cover seconds, else on a budget of steps, in temporary folders that every "
+        "Checkpointer of the script saves into: once "
         "uninterrupted, and once killed with SIGKILL at random moments (one inside a save) "
         "and started again each time until it ends. Both runs stop and save at the same "
         "step; the two final checkpoints are read back, verified and compared tensor by "
@@ -803,9 +805,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--steps",
         type=_int_at_least(2),
-        default=20,
+        default=None,
         metavar="N",
-        help="every training loop saves and stops at step N (default 20)",
+        help="every training loop saves and stops at step N (default: the script's whole run "
+        "when it ends within --cover seconds, else 20)",
+    )
+    p.add_argument(
+        "--cover",
+        type=_positive_int,
+        default=120,
+        metavar="SECONDS",
+        help="check the script's whole run when it ends within SECONDS (default 120)",
     )
     p.add_argument("--kills", type=_positive_int, default=2, metavar="K", help="kills (default 2)")
     p.add_argument("--seed", type=int, default=None, help="repeat the kill moments of a check")

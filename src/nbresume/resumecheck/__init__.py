@@ -2,13 +2,15 @@
 
 nbresume saves what it is given and the global random streams; a script may keep state
 elsewhere (a generator of its own, a local counter, gradients accumulated over several
-steps). The check runs the user's own command on a small budget of steps, in folders of its
-own: twice uninterrupted (side by side), and once killed with SIGKILL at random moments (one
-of them inside a save) and started again each time until it ends. Every run stops and saves
-at the same step N; the final checkpoints are then read back, verified, and compared tensor
-by tensor and value by value. What differs between the two uninterrupted runs too (a random
-stream the script never seeds nor draws from) is left out; what differs only after the kills
-is reported by kind, with the likely cause and its fix.
+steps). The check runs the user's own command, in folders of its own: twice uninterrupted
+(side by side), and once killed with SIGKILL at random moments (one of them inside a save)
+and started again each time until it ends. The runs cover the
+script's whole run when the uninterrupted runs end within :data:`DEFAULT_COVER_S` seconds;
+otherwise (or with ``steps``) every run stops and saves at the same step N, and the verdict
+says how many steps of how many it covered. The final checkpoints are then read back,
+verified, and compared tensor by tensor and value by value. What differs between the two
+uninterrupted runs too (a random stream the script never seeds nor draws from) is left out;
+what differs only after the kills is reported by kind, with the likely cause and its fix.
 
 Nothing of a check outlives it: however it ends (its result, a failure, Ctrl-C, SIGTERM or
 SIGHUP sent to it), the script's process groups are ended, what the script started included
@@ -29,7 +31,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from nbresume.resumecheck import causes
+from nbresume.resumecheck import causes, observe
 from nbresume.resumecheck.compare import (
     KINDS,
     PROGRESS,
@@ -45,34 +47,46 @@ from nbresume.resumecheck.runs import (
     Leg,
     Run,
     RunFailed,
+    look,
     plan_kills,
     run_uninterrupted,
     run_with_kill,
+    working_folder,
 )
 
+#: The budget of steps when the script's whole run does not end within the cover time.
 DEFAULT_STEPS = 20
 DEFAULT_KILLS = 2
 DEFAULT_TIMEOUT_S = 300.0
+#: The whole run is checked when the uninterrupted runs end within this many seconds.
+DEFAULT_COVER_S = 120.0
 
-__all__ = ["DEFAULT_KILLS", "DEFAULT_STEPS", "DEFAULT_TIMEOUT_S", "check"]
+__all__ = ["DEFAULT_COVER_S", "DEFAULT_KILLS", "DEFAULT_STEPS", "DEFAULT_TIMEOUT_S", "check"]
 
 
 def check(
     command: Sequence[str],
     *,
-    steps: int = DEFAULT_STEPS,
+    steps: int | None = None,
     kills: int = DEFAULT_KILLS,
     seed: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    cover_s: float = DEFAULT_COVER_S,
     keep: bool = False,
     say: Callable[[str], None] | None = None,
 ) -> int:
     """Run the check of ``command``; return the exit status: 0 when the resumed run ended
-    bit-identical to the uninterrupted one, 1 when it did not or the check could not run."""
+    bit-identical to the uninterrupted one, 1 when it did not or the check could not run.
+
+    ``steps``: the budget every run stops at; ``None``: the script's whole run when it ends
+    within ``cover_s`` seconds, else the first :data:`DEFAULT_STEPS` steps."""
     if seed is None:
         seed = random.SystemRandom().randrange(100_000)
-    job = _Check(list(command), steps, kills, seed, timeout_s, say or _print)
-    job.say(f"nbresume check: `{shlex.join(command)}`, {steps} steps, {kills} kill(s), seed {seed}")
+    job = _Check(list(command), steps, kills, seed, timeout_s, cover_s, say or _print)
+    extent = (
+        f"{steps} steps" if steps is not None else f"the whole run (if it ends in {cover_s:g} s)"
+    )
+    job.say(f"nbresume check: `{shlex.join(command)}`, {extent}, {kills} kill(s), seed {seed}")
     with _StopSignals() as signals:
         work = Path(tempfile.mkdtemp(prefix="nbresume-check-"))
         try:
@@ -147,12 +161,19 @@ def _print(line: str) -> None:
 @dataclass
 class _Check:
     command: list[str]
-    steps: int
+    #: The budget every run stops at; ``None``: the script's whole run.
+    steps: int | None
     kills: int
     seed: int
     timeout_s: float
+    cover_s: float
     say: Callable[[str], None]
     rng: random.Random = field(init=False)
+    #: The step the uninterrupted run ended at, and the total its loop was given (if known).
+    last: int = field(init=False, default=0)
+    total: int | None = field(init=False, default=None)
+    #: The script's globals that ended differently in the resumed run (name, kind, note).
+    globals_differ: list[tuple[str, str, str]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)  # noqa: S311 - when to kill, not security
@@ -164,11 +185,12 @@ class _Check:
         )
         for run in (first, again, second):
             run.root.mkdir()
+            run.cwd = working_folder(work / f"{run.root.name}.cwd", Path.cwd())
 
         # Twice, side by side: what differs between two uninterrupted runs is not the
         # resume's doing (an unseeded stream the script never draws from, a time stamp),
         # and weights that differ there mean that the script is not reproducible at all.
-        run_uninterrupted(self.command, [first, again], self.steps, self.timeout_s)
+        self._uninterrupted(work, first, again)
         finals = final_checkpoints(first.root)
         if not finals:
             self.say(
@@ -177,7 +199,13 @@ class _Check:
                 "make one and train in ckpt.steps() or ckpt.epochs()?"
             )
             return 1
-        last = max(f.step for f in finals.values())
+        last = self.last = max(f.step for f in finals.values())
+        totals = [f.state.total for f in finals.values() if f.state.total is not None]
+        self.total = max(totals) if totals else None
+        if any(f.state.done for f in finals.values()) or (
+            self.total is not None and self.total <= last
+        ):
+            self.steps = None  # the script ended within the budget: its whole run is covered
         seconds = first.legs[0].seconds
         self.say(
             f"run 1 (uninterrupted, twice side by side): done at step {last} ({seconds:.1f} s)"
@@ -195,7 +223,52 @@ class _Check:
         comparison.differences = [
             d for d in comparison.differences if (d.folder, d.kind, d.name) not in ignored
         ]
+        # The script's globals at its end: what differs between the uninterrupted runs is
+        # left out, as above; what differs only after the kills is state no checkpoint holds.
+        ended = observe.read(first.root)
+        varies = {
+            n for n, _, _ in observe.differing(ended, observe.read(again.root), leave_out=set())
+        }
+        self.globals_differ = observe.differing(ended, observe.read(second.root), leave_out=varies)
         return self._report(comparison, noise, killed)
+
+    def _uninterrupted(self, work: Path, first: Run, again: Run) -> None:
+        """Run 1 and 1b, side by side: to their end when they end within the cover time (or
+        no budget is given), else stopped at the budget."""
+        if self.steps is None:
+            if run_uninterrupted(
+                self.command, [first, again], None, self.timeout_s, cap_s=self.cover_s
+            ):
+                return
+            reached = look(first.root).committed or 0
+            self.steps = DEFAULT_STEPS
+            self.say(
+                f"run 1 did not end within {self.cover_s:g} s (at step {reached:,} then): "
+                f"checking the first {self.steps} steps (--steps N sets another budget, "
+                "--cover SECONDS a longer wait)"
+            )
+            for run in (first, again):
+                # Links are removed, never followed: the current folder's files stay.
+                for folder in (run.root, run.cwd):
+                    if folder is not None:
+                        shutil.rmtree(folder, ignore_errors=True)
+                run.root.mkdir()
+                run.cwd = working_folder(work / f"{run.root.name}.cwd", Path.cwd())
+                run.legs.clear()
+        run_uninterrupted(self.command, [first, again], self.steps, self.timeout_s)
+
+    def _coverage(self) -> str:
+        """What the runs covered of the script's run."""
+        if self.steps is None:
+            return f"covered: the script's whole run, {self.last:,} steps, to its end"
+        if self.total is not None:
+            of = f"the first {self.last:,} of {self.total:,} steps"
+        else:
+            of = f"the first {self.last:,} steps (the loop does not say how many it has)"
+        return (
+            f"covered: {of}; differences that begin later are not seen: --steps N checks "
+            "the first N"
+        )
 
     def _left_out(self, noise: list[Difference]) -> None:
         shown = ", ".join(d.label() for d in noise)
@@ -218,10 +291,16 @@ class _Check:
             kill = pending.pop(0) if pending else None
             if kill is not None and killed and killed[-1].step is not None:
                 kill.target = max(kill.target, killed[-1].step + 1)  # train between two kills
-            if kill is not None and kill.target >= self.steps:
+            if kill is not None and kill.target >= self.last:
                 kill, pending = None, []
             leg = run_with_kill(
-                self.command, run, self.steps, kill, rng=self.rng, timeout_s=self.timeout_s
+                self.command,
+                run,
+                self.last if self.steps is None else self.steps,
+                kill,
+                rng=self.rng,
+                timeout_s=self.timeout_s,
+                budget=self.steps is not None,
             )
             run.legs.append(leg)
             began = f"resumed at step {leg.resumed_at}" if leg.resumed_at else "started fresh"
@@ -243,6 +322,7 @@ class _Check:
                 "NOT CHECKED: no kill found a moment before the final save, so nothing was "
                 "resumed: give the script more steps (--steps)"
             )
+            self.say(self._coverage())
             return 1
         if not any(leg.inside_save for leg in killed):
             self.say("note: no kill landed inside a save this time (each save ended first)")
@@ -259,24 +339,36 @@ class _Check:
                 f"exact: the final checkpoints (step {ended}) are bit-identical, read back and "
                 f"verified: {parts}"
             )
+            for name, kind, _ in self.globals_differ:
+                if kind != "counter":  # not used yet, or not in what the checkpoint holds
+                    self.say(
+                        f"note: the script's {name!r} ({kind}) ended in another state in the "
+                        "resumed run: no Checkpointer restores it"
+                    )
+            self.say(self._coverage())
             return 0
         self.say("DIFFERENT: the resumed run did not end as the uninterrupted one")
         for name in comparison.missing:
             self.say(f"  the Checkpointer of folder {name!r} saved in one run only")
         for difference in comparison.differences:
             self.say(f"  {difference.line()}")
+        for name, kind, note in self.globals_differ:
+            self.say(f"  the script's global {name!r} ({kind}): {note}")
         script = _script(self.command)
-        name = script.name if script is not None else "the script"
-        verdicts = causes.likely_causes(comparison, _source(script), name)
+        shown = script.name if script is not None else "the script"
+        verdicts = causes.likely_causes(comparison, _source(script), shown, self.globals_differ)
         for verdict in verdicts:
             self._cause(verdict.cause, verdict.evidence)
         if not verdicts:
             self.say(
-                "cause: none of the known causes fits; look for state the training step uses "
-                "that the Checkpointer is not given"
+                "cause: not determined: nothing the check observed points at a known cause; "
+                "look for state the training step uses that the Checkpointer is not given (a "
+                "generator of its own, a counter, gradients accumulated over several steps)"
             )
+        self.say(self._coverage())
+        budget = f" --steps {self.steps}" if self.steps is not None else ""
         self.say(
-            f"repeat this check: nbresume check --seed {self.seed} --steps {self.steps} "
+            f"repeat this check: nbresume check --seed {self.seed}{budget} "
             f"--kills {self.kills} -- {shlex.join(self.command)}"
         )
         return 1

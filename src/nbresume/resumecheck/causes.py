@@ -1,15 +1,18 @@
 """Why a resumed run ends differently: the known causes, and which of them the evidence names.
 
-The evidence is of two kinds: which parts of the state differ (the steps trained, the random
-streams, the data position, the weights alone), and what the script's source shows (a
+The evidence is of three kinds: which parts of the state differ (the steps trained, the random
+streams, the data position, a learning rate, the weights alone); which of the script's globals
+ended differently in the resumed run (:mod:`~nbresume.resumecheck.observe`: an object's own
+random generator, a counter), which is observed; and what the script's source shows (a
 generator it makes and does not give to the Checkpointer, an optimizer step taken every few
 steps). The source is only read, never run, and what it shows is a heuristic: a cause named
-from it is reported as *likely*.
+from it is reported as *likely*. Where nothing points at a cause, none is named.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nbresume.resumecheck.compare import (
@@ -73,16 +76,34 @@ BATCH_SIZE = Cause(
     "fix the batch size, or keep the one chosen: ckpt['batch_size'] = size, and build the "
     "DataLoader from ckpt['batch_size'] after restore()",
 )
+ENVIRONMENT = Cause(
+    "an object of the script with a random generator of its own (an environment)",
+    "the object (an RL environment, a data generator) is not given to the Checkpointer: its "
+    "generator starts over from its seed in a resumed run, so the resumed run sees other "
+    "observations or noise; nbresume saves the global streams, and the generators it is given",
+    "give its generator to the Checkpointer by name, as Checkpointer(..., env_rng=env.rng) "
+    "or ckpt['env_rng'] = env.rng before restore() (or give the object itself, with a "
+    "state_dict() and load_state_dict() that hold its generator's state)",
+)
 UNSEEDED = Cause(
     "a script that is not seeded",
     "each run starts from other random weights or another data order (the loader's seed is "
-    "torch.initial_seed()), so no two runs can match, interrupted or not; on a GPU, "
+    "torch's seed where the script seeds torch, else derived from the state of Python's "
+    "random), so no two runs can match, interrupted or not; on a GPU, "
     "kernels that are not deterministic do the same",
     "seed it first: torch.manual_seed(0) (and random.seed, np.random.seed where used) before "
     "the model and the DataLoader are made; on a GPU, nbresume.init(..., deterministic=True)",
 )
 
-KNOWN = (PENDING_GRADIENTS, UNSAVED_GENERATOR, GLOBAL_STREAMS, LOCAL_COUNTER, BATCH_SIZE, UNSEEDED)
+KNOWN = (
+    PENDING_GRADIENTS,
+    UNSAVED_GENERATOR,
+    ENVIRONMENT,
+    GLOBAL_STREAMS,
+    LOCAL_COUNTER,
+    BATCH_SIZE,
+    UNSEEDED,
+)
 
 
 @dataclass(frozen=True)
@@ -123,14 +144,23 @@ def unsaved_generators(source: str, registered: int) -> list[str]:
     return found
 
 
+#: A hyperparameter of an optimizer's ``param_groups`` (``param_groups/0/lr``).
+_HYPERPARAMETER = re.compile(r"^param_groups/\d+/(\w+)$")
+
+
 def likely_causes(
-    comparison: Comparison, source: str | None, script: str = "the script"
+    comparison: Comparison,
+    source: str | None,
+    script: str = "the script",
+    globals_differ: Sequence[tuple[str, str, str]] = (),
 ) -> list[Verdict]:
-    """The known causes the differences and the script's ``source`` point at, best first."""
+    """The known causes the differences, the script's globals that ended differently
+    (``globals_differ``: name, kind, note) and the script's ``source`` point at, best first;
+    none where nothing points at one."""
     differences = comparison.differences
     kinds = {d.kind for d in differences}
     text = source or ""
-    verdicts: list[Verdict] = []
+    verdicts = _observed(globals_differ, script)
     if PROGRESS in kinds:
         ended = next(d for d in differences if d.kind == PROGRESS).keys[0][1]
         hint = (
@@ -143,7 +173,11 @@ def likely_causes(
     loader = [d for d in differences if d.kind == LOADER]
     if any(key == "seed" for d in loader for key, _ in d.keys):
         verdicts.append(
-            Verdict(UNSEEDED, "the loader's seed, taken from torch.initial_seed(), differs")
+            Verdict(
+                UNSEEDED,
+                "the loader's seed differs (torch's seed where the script seeds torch, else "
+                "derived from the state of Python's random)",
+            )
         )
     elif any(key == "batch_size" for d in loader for key, _ in d.keys):
         verdicts.append(Verdict(BATCH_SIZE, "the loader's batch size differs"))
@@ -164,15 +198,55 @@ def likely_causes(
         keys = ", ".join(d.name for d in differences if d.kind == VALUE)
         evidence = f"a value kept with ckpt[...] differs ({keys}) though the weights do not"
         verdicts.append(Verdict(LOCAL_COUNTER, evidence))
+    hyperparameters = [
+        (d.name, key, note)
+        for d in differences
+        if d.kind == OPTIMIZER
+        for key, note in d.keys
+        if _HYPERPARAMETER.match(key)
+    ]
+    if hyperparameters and not any(v.cause is LOCAL_COUNTER for v in verdicts):
+        name, key, note = hyperparameters[0]
+        verdicts.append(
+            Verdict(
+                LOCAL_COUNTER,
+                f"the optimizer {name!r}'s {key} differs ({note}): the script sets it from "
+                "something the checkpoint does not hold (a count of its own, a schedule "
+                "not given to the Checkpointer)",
+            )
+        )
     if kinds & {MODEL, OPTIMIZER} and PROGRESS not in kinds:
-        verdicts += _weights_alone(comparison, text, script, explained=bool(verdicts))
+        seen = {v.cause for v in verdicts}
+        verdicts += [v for v in _weights_alone(comparison, text, script) if v.cause not in seen]
+        if ENVIRONMENT in seen:  # the generator the source shows is the one observed
+            verdicts = [v for v in verdicts if v.cause is not UNSAVED_GENERATOR]
     return verdicts
 
 
-def _weights_alone(
-    comparison: Comparison, source: str, script: str, *, explained: bool
-) -> list[Verdict]:
-    """What the source says about weights that differ (nothing else explaining them)."""
+def _observed(globals_differ: Sequence[tuple[str, str, str]], script: str) -> list[Verdict]:
+    """The causes that the script's globals, as they ended in each run, show."""
+    verdicts = []
+    held = [(n, k) for n, k, _ in globals_differ if k != "counter"]
+    if held:
+        shown = ", ".join(f"`{n}` ({k})" for n, k in held)
+        owners = sorted({n.split(".", 1)[0] for n, _ in held if "." in n})
+        also = f"; held by {', '.join(f'`{o}`' for o in owners)}" if owners else ""
+        evidence = (
+            f"the generator{'s' if len(held) > 1 else ''} {shown} of {script} ended in "
+            f"another state in the resumed run{also}: no Checkpointer restores "
+            f"{'them' if len(held) > 1 else 'it'}"
+        )
+        verdicts.append(Verdict(ENVIRONMENT if owners else UNSAVED_GENERATOR, evidence))
+    counters = [(n, note) for n, k, note in globals_differ if k == "counter"]
+    if counters:
+        shown = ", ".join(f"`{n}` ({note})" for n, note in counters)
+        evidence = f"{script}'s global{'s' if len(counters) > 1 else ''} {shown} ended differently"
+        verdicts.append(Verdict(LOCAL_COUNTER, evidence))
+    return verdicts
+
+
+def _weights_alone(comparison: Comparison, source: str, script: str) -> list[Verdict]:
+    """What the source says about weights that differ."""
     found = []
     unsaved = unsaved_generators(source, comparison.generators)
     if unsaved:
@@ -187,9 +261,4 @@ def _weights_alone(
                 f"{script} takes an optimizer step only every few steps of the loop",
             )
         )
-    if found or explained:
-        return found
-    evidence = "the weights differ and nothing else does: one of the causes that do that"
-    return [
-        Verdict(cause, evidence) for cause in (UNSAVED_GENERATOR, PENDING_GRADIENTS, LOCAL_COUNTER)
-    ]
+    return found

@@ -1,10 +1,16 @@
 """The two runs of ``nbresume check``: one uninterrupted, one killed and started again.
 
 Each run is the user's own command, in a process group of its own, with the environment
-knobs that make it a small, comparable run: ``NBRESUME_CHECK_DIR`` (every Checkpointer saves
-into a folder of the run's own), ``NBRESUME_STOP_AT_STEP`` (every loop saves and stops at
-the same step N, a resumed run included) and ``NBRESUME_SAVE_EVERY=1`` (a save after every
-step, so that a kill lands between saves or inside one).
+knobs that make it a comparable run: ``NBRESUME_CHECK_DIR`` (every Checkpointer saves into a
+folder of the run's own), ``NBRESUME_STOP_AT_STEP`` where the check has a budget (every loop
+saves and stops at the same step N, a resumed run included) and ``NBRESUME_SAVE_EVERY=1`` (a
+save after every step, so that a kill lands between saves or inside one).
+
+Each run has a working folder of its own (:func:`working_folder`): it shows every entry of the
+current folder through a link, so that the script finds its files and data as it names them,
+while what it creates under a relative path that does not exist yet (Accelerate's
+``project_dir``, a Trainer's ``output_dir``, Lightning's ``default_root_dir``) is the run's
+own: two runs side by side do not write into one folder.
 
 A kill is aimed from outside, by watching the checkpoint folders: a save in progress is a
 hidden ``.nbresume-tmp-<step>-...`` folder that the commit renames into place. When the
@@ -120,25 +126,45 @@ class Run:
     root: Path
     log: Path
     legs: list[Leg] = field(default_factory=list)
+    #: The run's working folder (:func:`working_folder`); ``None``: the current folder.
+    cwd: Path | None = None
 
 
-def environment(root: Path, steps: int) -> dict[str, str]:
-    """The script's environment: this one, with the knobs of a check run."""
-    env = {k: v for k, v in os.environ.items() if k != knobs.SMOKE_STEPS.name}
+def working_folder(folder: Path, source: Path) -> Path:
+    """Make ``folder`` a working folder that shows every entry of ``source`` (the current
+    folder) through a symbolic link, and return it. What the script reads, it finds where it
+    names it; what it creates under a relative path that ``source`` lacks stays in
+    ``folder``. A folder that exists in ``source`` is shared (its link leads there)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(source):
+            with contextlib.suppress(OSError):
+                (folder / entry.name).symlink_to(Path(source, entry.name))
+    return folder
+
+
+def environment(root: Path, steps: int | None, cwd: Path | None = None) -> dict[str, str]:
+    """The script's environment: this one, with the knobs of a check run (``steps``: the
+    budget every loop stops at; ``None``: none, the script runs to its end)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (knobs.SMOKE_STEPS.name, knobs.STOP_AT_STEP.name)
+    }
     env.update(
-        {
-            knobs.CHECK_DIR.name: str(root),
-            knobs.STOP_AT_STEP.name: str(steps),
-            knobs.SAVE_EVERY.name: "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        {knobs.CHECK_DIR.name: str(root), knobs.SAVE_EVERY.name: "1", "PYTHONUNBUFFERED": "1"}
     )
+    if steps is not None:
+        env[knobs.STOP_AT_STEP.name] = str(steps)
+    if cwd is not None:
+        env["PWD"] = str(cwd)
     return env
 
 
-def start(command: Sequence[str], run: Run, steps: int) -> subprocess.Popen[bytes]:
+def start(command: Sequence[str], run: Run, steps: int | None) -> subprocess.Popen[bytes]:
     """Start the script, its output appended to the run's log, in a process group of its own
-    (a kill reaches the DataLoader's workers and any wrapper shell too)."""
+    (a kill reaches the DataLoader's workers and any wrapper shell too), in the run's working
+    folder."""
     with open(run.log, "ab") as out:
         try:
             return subprocess.Popen(
@@ -146,7 +172,8 @@ def start(command: Sequence[str], run: Run, steps: int) -> subprocess.Popen[byte
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=environment(run.root, steps),
+                env=environment(run.root, steps, run.cwd),
+                cwd=run.cwd,
                 start_new_session=True,
             )
         except OSError as exc:
@@ -253,7 +280,8 @@ def finish(run: Run, process: subprocess.Popen[bytes], *, started: float, timeou
         raise RunFailed(
             f"{run.name}: the script exited with status {code}; its last lines:\n{tail(run.log)}",
             fix="make the script run to its end on its own first (`nbresume check` runs it "
-            "as given, in the current folder)",
+            "as given, in a working folder of each run's own that shows the current folder's "
+            "files)",
         )
 
 
@@ -280,19 +308,33 @@ def _shorten(line: str) -> str:
 
 
 def run_uninterrupted(
-    command: Sequence[str], runs: Sequence[Run], steps: int, timeout_s: float
-) -> None:
-    """Uninterrupted runs, side by side."""
+    command: Sequence[str],
+    runs: Sequence[Run],
+    steps: int | None,
+    timeout_s: float,
+    *,
+    cap_s: float | None = None,
+) -> bool:
+    """Uninterrupted runs, side by side. With ``cap_s``: whether they all ended within that
+    many seconds (``False``: they were ended there, unfinished, and their folders are left as
+    they were); a run that fails or passes ``timeout_s`` raises either way."""
     started = time.monotonic()
     processes: list[subprocess.Popen[bytes]] = []
     try:
         for run in runs:
             processes.append(start(command, run, steps))
         for run, process in zip(runs, processes, strict=True):
+            if (
+                cap_s is not None
+                and cap_s < timeout_s
+                and not _wait_ended(process, max(0.0, started + cap_s - time.monotonic()))
+            ):
+                return False
             finish(run, process, started=started, timeout_s=timeout_s)
             run.legs.append(Leg(None, "done", seconds=time.monotonic() - started))
     finally:
         end_groups(processes)
+    return True
 
 
 def run_with_kill(
@@ -303,15 +345,17 @@ def run_with_kill(
     *,
     rng: random.Random,
     timeout_s: float,
+    budget: bool = True,
 ) -> Leg:
     """One process of the killed run: started, and killed as ``kill`` says (``None``: let it
     finish). Returns how it ended; a kill that found no moment before the final save of
-    ``steps`` began lets the process finish ("done")."""
+    ``steps`` began lets the process finish ("done"). Without ``budget`` the script runs to
+    its own end, ``steps`` being the step the uninterrupted run ended at."""
     before = look(run.root)
     stale = set(before.pending)  # what a killed process left: the next save cleans it
     leg = Leg(before.committed, "done")
     started = time.monotonic()
-    process = start(command, run, steps)
+    process = start(command, run, steps if budget else None)
     try:
         killed = _aim(
             process, run, steps, kill, stale=stale, started=started, rng=rng, timeout_s=timeout_s
