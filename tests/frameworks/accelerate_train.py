@@ -74,7 +74,7 @@ def main(argv: list[str]) -> None:
         scheduler=scheduler,
     )
     ck.restore()
-    print(f"rank {rank} start {ck.step}", flush=True)
+    print(f"rank {rank} start {ck.step}\n", end="", flush=True)  # one write
     for _epoch in ck.epochs(EPOCHS):
         for x, y in ck.loader(loader):
             loss = nn.functional.mse_loss(model(x), y)
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
                 ck.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
     ck.close()
-    print(f"rank {rank} done {ck.step}", flush=True)
+    print(f"rank {rank} done {ck.step}\n", end="", flush=True)  # one write
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(model)
         tensors = {f"model.{k}": v.detach().clone() for k, v in inner.state_dict().items()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -55,12 +56,9 @@ def train(processes: int, folder: Path, *args: str) -> subprocess.CompletedProce
 
 
 def said(run: subprocess.CompletedProcess[str], word: str) -> list[int]:
-    """What each rank printed after ``word`` (``start`` or ``done``)."""
-    return [
-        int(line.split()[3])
-        for line in run.stdout.splitlines()
-        if line.startswith("rank ") and line.split()[2] == word
-    ]
+    """What each rank printed after ``word`` (``start`` or ``done``). The ranks share one
+    stdout, so their lines are found wherever they are, not line by line."""
+    return [int(n) for n in re.findall(rf"rank \d+ {word} (\d+)", run.stdout)]
 
 
 @pytest.mark.slow
