@@ -83,7 +83,15 @@ class Callback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         fit_loop = trainer.fit_loop
-        if stage != "fit" or isinstance(fit_loop._data_source, ResumableSource):
+        if stage != "fit" or isinstance(_source(trainer), ResumableSource):
+            return
+        if not hasattr(fit_loop, "_data_source"):
+            # A Lightning release whose fit loop keeps its data elsewhere: its own loaders.
+            log.warning(
+                "nbresume: this Lightning release's fit loop has no _data_source: the training "
+                "loaders stay Lightning's own, and a run resumed mid-epoch does not see the same "
+                "batches (nbresume is tested with lightning 2.6)"
+            )
             return
         if trainer.reload_dataloaders_every_n_epochs:
             # A new DataLoader every few epochs would start its order over from epoch 0.
@@ -95,7 +103,7 @@ class Callback(pl.Callback):
         fit_loop._data_source = ResumableSource(fit_loop._data_source)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        source = trainer.fit_loop._data_source
+        source = _source(trainer)
         if isinstance(source, ResumableSource):
             for loader in source.loaders:
                 loader.taken()
@@ -106,7 +114,7 @@ class Callback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         state: dict[str, Any] = {"run": self.run_id, "rng": capture_rng()}
-        source = trainer.fit_loop._data_source
+        source = _source(trainer)
         if isinstance(source, ResumableSource) and source.loaders:
             state["loaders"] = [loader.state_dict() for loader in source.loaders]
         checkpoint[STATE_KEY] = state
@@ -121,7 +129,7 @@ class Callback(pl.Callback):
             self.run_id = str(state.get("run", self.run_id))
             self._rng = state.get("rng")
             self._put_back_rng()
-            source = trainer.fit_loop._data_source
+            source = _source(trainer)
             loaders = state.get("loaders")
             if isinstance(source, ResumableSource) and isinstance(loaders, list):
                 source.resumed = loaders  # put into the loaders once the loop makes them
@@ -419,3 +427,9 @@ def _get(document: Any, *keys: str) -> Any:
             return None
         document = document.get(key)
     return document
+
+
+def _source(trainer: pl.Trainer) -> Any:
+    """The fit loop's source of training data (Lightning's own attribute; ``None`` where a
+    release has none)."""
+    return getattr(trainer.fit_loop, "_data_source", None)
