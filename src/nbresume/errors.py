@@ -71,8 +71,11 @@ class StorageFullError(CheckpointError):
         super().__init__(message, where=where, fix=fix)
 
 
-class StorageError(CheckpointError):
-    """The storage backend failed (permissions, a vanished mount, a network store error)."""
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (permissions, a vanished mount, a network store error).
+
+    It is also an OSError, what Python raises when a file system fails, so that code that
+    catches those catches it too (its ``errno`` is ``None``)."""
 
 
 class FolderInUseError(CheckpointError):

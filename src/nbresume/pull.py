@@ -350,6 +350,8 @@ class Puller:
             raw = bytes(self.source.read_bytes(folder, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES))
         except FileNotFoundError:
             return None
+        except StorageError:
+            raise  # the source's own error already says where and what to do
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # a FIFO, a link or a folder: a broken checkpoint
                 return _Result(name, False, problem=f"{manifest_where}: not a regular file")
@@ -450,6 +452,8 @@ class Puller:
                 read_header(handle, entry.size, where=self.source.child(folder, name))
         except CorruptCheckpointError as exc:
             raise _Mismatch(exc.message) from None
+        except StorageError:
+            raise  # the source's own error already says where and what to do
         except OSError:
             pass  # the copy meets the same problem and reports it as usual
 

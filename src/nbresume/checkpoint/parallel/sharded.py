@@ -96,6 +96,7 @@ from nbresume.checkpoint.store import (
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    StorageError,
     UsageError,
 )
 
@@ -341,6 +342,8 @@ def load_sharded(
                 )
             except FileNotFoundError:
                 problem = "\0"  # never committed: not a checkpoint, nothing to warn about
+            except StorageError:
+                raise  # the store failed: not a damaged checkpoint
             except OSError as exc:
                 where = store.backend.child(folder, MANIFEST_NAME)
                 problem = f"{where}: cannot read the manifest: {exc}"

@@ -154,6 +154,8 @@ class PendingCheckpoint:
             if owner.check_space and size is not None:
                 check_space(owner, needed, inodes)
             folder = owner.backend.begin(step_dirname(step))
+        except StorageError:
+            raise  # the store's own error already says where and what to do
         except OSError as exc:
             # Cleaning up, and creating the folder, fail too on a full or failing disk.
             raise storage_error(owner, exc, needed, inodes) from exc
@@ -371,6 +373,8 @@ class PendingCheckpoint:
             return
         try:
             self._retention()  # the removal of the files goes on after
+        except StorageError:
+            raise  # the store's own error (a network store refused): said as it is
         except OSError as exc:
             # The checkpoint is saved and verified; failing the save now would report a saved
             # checkpoint as lost. The old one stays until the next save's retention.
@@ -409,6 +413,9 @@ class PendingCheckpoint:
         inodes = files + (0 if counted else len(self._entries)) + 2
         try:
             yield
+        except StorageError:
+            self.discard()
+            raise  # the store's own error already says where and what to do
         except OSError as exc:
             self.discard()
             raise storage_error(self._owner, exc, needed, inodes) from exc

@@ -73,7 +73,12 @@ from nbresume.checkpoint.store.info import LoadedCheckpoint, VerifyResult
 from nbresume.checkpoint.store.memory import is_out_of_memory, memory_error
 from nbresume.checkpoint.store.streaming import Span, Streamed, fill_all
 from nbresume.checkpoint.store.verdict import check_checkpoint, check_loaded
-from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from nbresume.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+)
 
 
 def checkpoint_folders(store: Store) -> list[tuple[int, str]]:
@@ -104,6 +109,8 @@ def read_manifest(store: Store, name: str, step: int) -> Manifest:
         raise CorruptCheckpointError(
             "no manifest: the checkpoint was never committed", where=store.child(name)
         ) from None
+    except StorageError:
+        raise  # the store failed, not the checkpoint
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # a FIFO, a link or a folder: never opened
             raise CorruptCheckpointError(
@@ -150,6 +157,8 @@ def verify_folder(
             check_contents(store, name, manifest, heads)
     except CorruptCheckpointError as exc:
         return VerifyResult(name, step, location, ok=False, problem=str(exc))
+    except StorageError:
+        raise  # the store failed, not the checkpoint
     except FileNotFoundError as exc:
         return VerifyResult(
             name, step, location, ok=False, problem=f"missing file: {exc.filename or exc}"
@@ -168,7 +177,7 @@ def read_failure(exc: BaseException, where: str) -> BaseException:
     else is raised as it is."""
     if is_out_of_memory(exc):
         return memory_error(exc, doing="reading the checkpoint", where=where)
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) and not isinstance(exc, StorageError):
         return CorruptCheckpointError(f"cannot read the file: {exc}", where=where)
     return exc
 
@@ -560,6 +569,8 @@ def has_manifest(store: Store, name: str) -> bool:
         return MANIFEST_NAME in store.list_files(name)
     except FileNotFoundError:
         return False
+    except StorageError:
+        raise  # the store failed: said, not guessed
     except OSError:
         return True  # cannot tell: report the folder rather than pass over it in silence
 

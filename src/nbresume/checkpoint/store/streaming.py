@@ -38,7 +38,7 @@ from nbresume.checkpoint.backends import READ_CHUNK, Store, read_into
 from nbresume.checkpoint.format import FileEntry, TensorSpec, tensorfile
 from nbresume.checkpoint.store.hashing import THREAD_MIN_BYTES, Digests, check_hashes, new_buffer
 from nbresume.checkpoint.store.memory import is_out_of_memory, memory_error
-from nbresume.errors import CorruptCheckpointError
+from nbresume.errors import CorruptCheckpointError, StorageError
 
 #: The small buffers the bytes that are only hashed go through (each :data:`READ_CHUNK`).
 SCRATCH_BUFFERS = 3
@@ -199,6 +199,8 @@ class Streamed:
                         size += 1  # more bytes than the manifest says
             except FileNotFoundError:
                 raise CorruptCheckpointError("the file is missing", where=self.where) from None
+            except StorageError:
+                raise  # the store failed, not the checkpoint
             except OSError as exc:
                 if is_out_of_memory(exc):
                     raise memory_error(
