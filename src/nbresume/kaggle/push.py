@@ -47,7 +47,12 @@ from nbresume.checkpoint.store import (
     read_header,
 )
 from nbresume.checkpoint.units import format_bytes
-from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeError, UsageError
+from nbresume.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    SecretInCheckpointError,
+    UsageError,
+)
 from nbresume.kaggle import secrets
 from nbresume.kaggle.metadata import parse_ref
 from nbresume.platforms.base import check_run_name
@@ -60,10 +65,6 @@ CHUNK = 8 << 20
 #: repeats, so that a credential across two pieces is whole in one of them.
 SCAN_PIECE = 1 << 20
 SCAN_OVERLAP = 64 << 10
-
-
-class SecretInCheckpointError(NbresumeError):
-    """What the checkpoint would upload holds a credential."""
 
 
 def push(
