@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from nbresume.checkpoint.backends import Store, handle_size, read_into
+from nbresume.checkpoint.backends import Backend, handle_size, read_into
 from nbresume.checkpoint.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry
 from nbresume.checkpoint.store import (
     CheckpointInfo,
@@ -302,7 +302,7 @@ def _failed(info: CheckpointInfo, problem: str) -> VerifyResult:
     return VerifyResult(info.name, info.step, info.location, ok=False, problem=problem)
 
 
-def _copy_checked(store: Store, name: str, file_name: str, entry: FileEntry, dest: Path) -> None:
+def _copy_checked(store: Backend, name: str, file_name: str, entry: FileEntry, dest: Path) -> None:
     """Copy one file of the checkpoint to ``dest`` in pieces of at most :data:`CHUNK` bytes,
     hashing each piece: its size is checked against ``entry`` before the first byte is copied
     (where the store can tell it without reading), and the copy stops at the first byte

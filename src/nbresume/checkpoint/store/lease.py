@@ -91,7 +91,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeGuard
 
 from nbresume.checkpoint import forksafe, procfs
-from nbresume.checkpoint.backends import Store
+from nbresume.checkpoint.backends import Backend
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import FolderInUseError, LeaseLostError, StorageError
 
@@ -336,7 +336,7 @@ class WriterLease:
     """
 
     def __init__(
-        self, store: Store, *, purpose: str = "", drain: Callable[[], None] | None = None
+        self, store: Backend, *, purpose: str = "", drain: Callable[[], None] | None = None
     ) -> None:
         self.store = store
         self.purpose = purpose
@@ -700,7 +700,7 @@ def _rank() -> int:
 
 
 def acquire_writer_lease(
-    store: Store, *, purpose: str = "", drain: Callable[[], None] | None = None
+    store: Backend, *, purpose: str = "", drain: Callable[[], None] | None = None
 ) -> WriterLease | None:
     """The lease of ``store`` for a writer of this process, taken now; ``None`` on a rank other
     than 0 under torch.distributed (only rank 0 writes and commits). Raises
@@ -720,7 +720,7 @@ def acquire_writer_lease(
 
 
 @contextlib.contextmanager
-def holding(store: Store, *, purpose: str) -> Iterator[WriterLease]:
+def holding(store: Backend, *, purpose: str) -> Iterator[WriterLease]:
     """Hold the lease of ``store`` for the duration of a block (a one-off deleting command)."""
     lease = WriterLease(store, purpose=purpose)
     lease.acquire(replace_own=False)
@@ -731,13 +731,13 @@ def holding(store: Store, *, purpose: str) -> Iterator[WriterLease]:
         store.writer_check = None
 
 
-def current_holder(store: Store) -> Holder | None:
+def current_holder(store: Backend) -> Holder | None:
     """The holder a folder's lease file names, stale or not (``None`` when there is none)."""
     raw = store.read_small(LEASE_NAME)
     return None if raw is None else Holder.parse(raw)
 
 
-def live_holder(store: Store, now: float | None = None) -> Holder | None:
+def live_holder(store: Backend, now: float | None = None) -> Holder | None:
     """The live writer that holds the lease of ``store``, judged as a writer taking the lease
     would judge it (on this machine: its process still runs; from another: renewed within
     the lease's expiry, or dated ahead of this machine's clock); ``None`` when no lease is

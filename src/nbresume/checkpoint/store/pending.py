@@ -39,7 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
-from nbresume.checkpoint.backends import READ_CHUNK, Store
+from nbresume.checkpoint.backends import READ_CHUNK, Backend
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_JSON_BYTES,
@@ -73,7 +73,7 @@ class Owner(Protocol):
     """What a pending checkpoint uses of the store that started it
     (:class:`~nbresume.checkpoint.store.CheckpointStore`)."""
 
-    backend: Store
+    backend: Backend
     #: Whether manifests record MD5s too.
     md5: bool
     #: The hash of the store's choice (``None``: the default).
@@ -116,7 +116,7 @@ class PendingCheckpoint:
         #: The name of the pending folder in the store (hidden until the commit on POSIX).
         self.folder = folder
         self._owner = owner
-        self._backend: Store = owner.backend
+        self._backend: Backend = owner.backend
         #: The store's retention, run after the commit (the coordinator's only).
         self._retention = retain
         self._coordinator = coordinator

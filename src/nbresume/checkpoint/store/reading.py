@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from nbresume.checkpoint.backends import (
     READ_CHUNK,
-    Store,
+    Backend,
     handle_size,
     read_into,
     replaced_step,
@@ -81,7 +81,7 @@ from nbresume.errors import (
 )
 
 
-def checkpoint_folders(store: Store) -> list[tuple[int, str]]:
+def checkpoint_folders(store: Backend) -> list[tuple[int, str]]:
     """(step, name) of every folder named like a checkpoint, newest first.
 
     A writer killed while replacing a step can leave the older copy moved aside and no
@@ -101,7 +101,7 @@ def checkpoint_folders(store: Store) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def read_manifest(store: Store, name: str, step: int) -> Manifest:
+def read_manifest(store: Backend, name: str, step: int) -> Manifest:
     where = store.child(name, MANIFEST_NAME)
     try:
         raw = store.read_bytes(name, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
@@ -121,7 +121,7 @@ def read_manifest(store: Store, name: str, step: int) -> Manifest:
 
 
 def verify_folder(
-    store: Store,
+    store: Backend,
     name: str,
     expected_manifest: bytes | None = None,
     written: Mapping[str, Sequence[Buffer]] | None = None,
@@ -182,7 +182,7 @@ def read_failure(exc: BaseException, where: str) -> BaseException:
     return exc
 
 
-def check_stored_size(store: Store, name: str, file_name: str, entry: FileEntry) -> None:
+def check_stored_size(store: Backend, name: str, file_name: str, entry: FileEntry) -> None:
     """The file is there, a regular file of the manifest's size (nothing of it is read)."""
     where = store.child(name, file_name)
     with store.open_read(name, file_name) as handle:
@@ -193,7 +193,7 @@ def check_stored_size(store: Store, name: str, file_name: str, entry: FileEntry)
 
 
 def compare_file(
-    store: Store,
+    store: Backend,
     name: str,
     file_name: str,
     entry: FileEntry,
@@ -224,7 +224,7 @@ def compare_file(
     check_size(where, entry, size)
 
 
-def hash_file(store: Store, name: str, file_name: str, entry: FileEntry) -> bytes:
+def hash_file(store: Backend, name: str, file_name: str, entry: FileEntry) -> bytes:
     """Read a file back and check its size and hashes against ``entry``: each piece is
     hashed in a thread while the next one is read. Returns the bytes that its contents
     check needs (the header of a safetensors file, all of a JSON file), kept as read."""
@@ -261,7 +261,9 @@ def hash_file(store: Store, name: str, file_name: str, entry: FileEntry) -> byte
     return bytes(head.data)
 
 
-def check_contents(store: Store, name: str, manifest: Manifest, heads: Mapping[str, bytes]) -> None:
+def check_contents(
+    store: Backend, name: str, manifest: Manifest, heads: Mapping[str, bytes]
+) -> None:
     """Check what a load would parse, from the heads :meth:`_hash_file` kept: every
     safetensors header against its file's size, every JSON file, and a Checkpointer's
     ``state.json`` with every tensor it refers to."""
@@ -291,7 +293,7 @@ def check_contents(store: Store, name: str, manifest: Manifest, heads: Mapping[s
 
 
 def read_verified(
-    store: Store,
+    store: Backend,
     name: str,
     files: Mapping[str, FileEntry],
     devices: Mapping[str, Any] | None = None,
@@ -552,7 +554,7 @@ def read_checked_head(
     return size, True
 
 
-def has_manifest(store: Store, name: str) -> bool:
+def has_manifest(store: Backend, name: str) -> bool:
     """Whether the folder holds anything named ``manifest.json``. One that is not a
     regular file (a FIFO, a link, a folder) makes a broken checkpoint, never a save that
     did not commit: it is reported, not passed over in silence (and never opened)."""
@@ -636,7 +638,7 @@ class Unfit(Exception):
 
 
 def load_folder(
-    store: Store,
+    store: Backend,
     step: int,
     name: str,
     framework: str,
@@ -673,7 +675,7 @@ def load_folder(
 
 
 def _load_folder(
-    store: Store,
+    store: Backend,
     step: int,
     name: str,
     framework: str,
@@ -726,7 +728,7 @@ def _load_folder(
     return loaded
 
 
-def read_specs(store: Store, name: str, file_name: str, entry: FileEntry) -> SpecsOnly:
+def read_specs(store: Backend, name: str, file_name: str, entry: FileEntry) -> SpecsOnly:
     """The header of the tensor file ``file_name`` (checked against the size the manifest
     records, as a load checks it), read alone: only its first bytes are read."""
     where = store.child(name, file_name)
@@ -759,7 +761,7 @@ class Decoded(dict[str, Any]):
 
 
 def decode_files(
-    store: Store,
+    store: Backend,
     name: str,
     buffers: Mapping[str, Any],
     loaded: LoadedCheckpoint,
