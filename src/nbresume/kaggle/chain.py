@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbresume.errors import ChainError
+from nbresume.errors import ChainError, KaggleError
 from nbresume.kaggle import metadata as meta
-from nbresume.kaggle.client import Kaggle, KaggleError, SessionStatus
+from nbresume.kaggle.client import Kaggle, SessionStatus
 from nbresume.kaggle.output import Pulled, pull
 
 PARTNER_SUFFIX = "-b"

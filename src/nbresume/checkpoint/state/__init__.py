@@ -20,7 +20,6 @@ from nbresume.checkpoint.state.generators import GeneratorState, is_generator
 from nbresume.checkpoint.state.health import MIN_BATCHES, DataWaitShare, data_wait_of
 from nbresume.checkpoint.state.optimizer_extras import StepWatch
 from nbresume.checkpoint.state.prepared import unwrap, unwrap_loader
-from nbresume.checkpoint.state.restoring import DoesNotFit
 from nbresume.checkpoint.state.snapshot import (
     GRADIENTS_GROUP,
     RNG_GROUP,
@@ -34,7 +33,8 @@ from nbresume.checkpoint.state.snapshot import (
     capture,
     tensor_bytes,
 )
-from nbresume.checkpoint.state.trainable import BaseMismatchError, TrainableOnly, trainable_only
+from nbresume.checkpoint.state.trainable import TrainableOnly, trainable_only
+from nbresume.errors import BaseMismatchError, DoesNotFit
 
 __all__ = [
     "GRADIENTS_GROUP",
