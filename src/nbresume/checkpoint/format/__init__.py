@@ -35,6 +35,7 @@ from nbresume.checkpoint.format.manifest import (
     step_dirname,
 )
 from nbresume.checkpoint.format.state_document import (
+    STATE_FILE,
     STATE_VERSION,
     SavedState,
     capture_rng,
@@ -66,6 +67,7 @@ __all__ = [
     "MAX_JSON_BYTES",
     "MAX_MANIFEST_BYTES",
     "RETIRED_PREFIX",
+    "STATE_FILE",
     "STATE_VERSION",
     "TEMP_PREFIX",
     "FileEntry",

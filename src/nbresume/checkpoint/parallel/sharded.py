@@ -63,8 +63,6 @@ from nbresume.checkpoint.format import (
 )
 from nbresume.checkpoint.parallel.dcp import (
     DEFAULT_STEM,
-    Ranks,
-    Solo,
     dcp_without_group,
     decode_metadata,
     is_sharded_file,
@@ -81,6 +79,7 @@ from nbresume.checkpoint.parallel.dcp import (
     read_verified,
     shard_names,
 )
+from nbresume.checkpoint.parallel.distributed import Group, Solo
 from nbresume.checkpoint.state import DoesNotFit, restoring
 from nbresume.checkpoint.store import (
     CheckpointInfo,
@@ -366,7 +365,7 @@ def _load_folder(
     *,
     state_dict: dict[str, Any],
     stem: str,
-    group: Ranks,
+    group: Group,
     check: Callable[[LoadedCheckpoint], None] | None = None,
 ) -> LoadedCheckpoint:
     """Every rank: verify and load one checkpoint, or raise the same error on every rank."""

@@ -13,6 +13,7 @@ This package is the layer's API: the names below are what the rest of the packag
 
 from __future__ import annotations
 
+from nbresume.checkpoint.format import STATE_FILE
 from nbresume.checkpoint.state.data import ResumableLoader, sample_generator, sample_seed
 from nbresume.checkpoint.state.determinism import apply as apply_determinism
 from nbresume.checkpoint.state.determinism import describe as describe_determinism
@@ -25,7 +26,6 @@ from nbresume.checkpoint.state.snapshot import (
     RNG_GROUP,
     STAGE_BUFFERS,
     STAGE_PIECE,
-    STATE_FILE,
     VALUES_GROUP,
     HostBuffers,
     Snapshot,

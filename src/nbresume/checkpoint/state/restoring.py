@@ -29,6 +29,7 @@ from typing import Any
 
 from nbresume import knobs
 from nbresume.checkpoint.format import (
+    STATE_FILE,
     SavedState,
     TensorSpec,
     capture_rng,
@@ -40,7 +41,6 @@ from nbresume.checkpoint.format import (
 )
 from nbresume.checkpoint.state import optimizer_extras
 from nbresume.checkpoint.state.data import ResumableLoader
-from nbresume.checkpoint.state.snapshot import STATE_FILE
 from nbresume.checkpoint.state.trainable import TrainableOnly
 from nbresume.checkpoint.store import LoadedCheckpoint
 from nbresume.errors import (

@@ -47,6 +47,7 @@ from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_JSON_BYTES,
     MAX_MANIFEST_BYTES,
+    STATE_FILE,
     FileEntry,
     Manifest,
     lightning_format,
@@ -577,9 +578,8 @@ def has_manifest(store: Backend, name: str) -> bool:
         return True  # cannot tell: report the folder rather than pass over it in silence
 
 
-#: The Checkpointer's state document (``state.json``), checked by load and verify alike,
-#: and its generator states (``rng.safetensors``).
-STATE_FILE = "state"
+#: A Checkpointer's generator states (``rng.safetensors``), checked by load and verify alike
+#: with its state document (``state.json``).
 RNG_FILE = "rng"
 
 
