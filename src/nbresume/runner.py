@@ -169,24 +169,6 @@ def process_start(pid: int) -> int | None:
     return procfs.start_ticks(pid)
 
 
-def process_alive(pid: int | None, start: int | None = None) -> bool:
-    """Whether ``pid`` runs (not a zombie) and is the process that started at ``start``."""
-    if not pid:
-        return False
-    if not procfs.has_proc():  # no /proc (macOS): ask the kernel directly
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    stat = procfs.stat_fields(pid)
-    if stat is None or stat[0] in ("Z", "X"):
-        return False
-    return start is None or int(stat[19]) == start
-
-
 def group_alive(pgid: int | None) -> bool:
     """Whether any process of the process group ``pgid`` is left."""
     if not pgid:
@@ -597,8 +579,8 @@ def prepare(
                 old.status != "exited"
                 and old.host == socket.gethostname()
                 and (
-                    process_alive(old.supervisor_pid, old.supervisor_start)
-                    or process_alive(old.pid, old.pid_start)
+                    procfs.process_runs(old.supervisor_pid, old.supervisor_start)
+                    or procfs.process_runs(old.pid, old.pid_start)
                 )
             ):
                 raise NbresumeError(
@@ -784,8 +766,8 @@ def _judge_process(state: RunState, now: float) -> tuple[str, bool, float | None
             False,
             None,
         )
-    job = process_alive(state.pid, state.pid_start)
-    supervisor = process_alive(state.supervisor_pid, state.supervisor_start)
+    job = procfs.process_runs(state.pid, state.pid_start)
+    supervisor = procfs.process_runs(state.supervisor_pid, state.supervisor_start)
     since = format_duration(now - (state.attempt_started or state.started))
     if job and supervisor:
         return (

@@ -232,28 +232,6 @@ def _machine() -> str:
     return f"{boot}/{namespace}" if boot or namespace else ""
 
 
-def _process_runs(pid: int, started: str) -> bool:
-    """Whether the process ``pid`` that started at ``started`` still runs on this machine."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False  # gone, or a pid no process can have
-    except PermissionError:
-        pass  # it exists, under another user
-    except OSError:
-        return True  # cannot tell: never take over a lease that may be live
-    stat = procfs.stat_fields(pid)
-    if stat is None:
-        # Without /proc (macOS) a reused pid cannot be told apart; with it, the process
-        # ended between the two looks.
-        return not procfs.has_proc()
-    if stat[0] in ("Z", "X"):
-        return False  # killed, not yet reaped by its parent
-    return not started or stat[19] == started
-
-
 def _program() -> str:
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return (name or "python")[:100]
@@ -290,7 +268,7 @@ def judge(holder: Holder, me: Holder, now: float) -> tuple[str, str]:
     if holder.host == me.host and holder.machine == me.machine:
         if holder.pid == me.pid and holder.started == me.started:
             return "self", ""
-        if _process_runs(holder.pid, holder.started):
+        if procfs.process_runs(holder.pid, holder.started):
             return "live", ""
         return "stale", f"its process (pid {holder.pid} on this machine) is no longer running"
     age = now - holder.renewed
