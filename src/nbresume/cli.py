@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nbresume.checkpoint.format import created_time
 from nbresume.errors import NbresumeError, StorageError, UsageError
 
 
@@ -254,12 +255,12 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
             return []
         return ["last verified checkpoint: none: no checkpoint in the folder verifies"]
     step, when = verified
-    created = _unix_time(when)
+    created = created_time(when)
     if created is None:
         return [f"last verified checkpoint: step {step:,}"]
     quiet = max(0.0, now - created)
     lines = [f"last verified checkpoint: step {step:,}, {format_duration(quiet)} ago"]
-    stamps = sorted(t for t in (_unix_time(c) for c in times[-6:]) if t is not None)
+    stamps = sorted(t for t in (created_time(c) for c in times[-6:]) if t is not None)
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps) if b > a)
     if gaps and running is not False:
         usual = gaps[len(gaps) // 2]
@@ -276,15 +277,6 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
             else:  # no run record: the training may have ended long ago
                 lines.append(f"note: {gap}: if the training still runs, it is not saving")
     return lines
-
-
-def _unix_time(created: str) -> float | None:
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
-    except (TypeError, ValueError):
-        return None
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ from types import FrameType
 from typing import Any, BinaryIO
 
 from nbresume.checkpoint import procfs
+from nbresume.checkpoint.format import created_time
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import NbresumeError, UsageError
 
@@ -817,7 +818,7 @@ def _judge_checkpoint(
         return [f"none yet in {location}"], True, ""
     newest = infos[-1]
     result = store.verify(newest.step).results[0]
-    created = _timestamp(newest.created)
+    created = created_time(newest.created)
     age = f", {format_duration(now - created)} old" if created else ""
     if not result.ok:
         return [f"step {newest.step} does NOT verify{age}: {result.problem}"], False, ""
@@ -842,7 +843,7 @@ def _judge_framework(
         first = f"none verifies in {path}" if found.passed_over else f"none yet in {path}"
         lines = [first, f"{resume} finds none: a run starts from scratch"]
     else:
-        created = _timestamp(found.created)
+        created = created_time(found.created)
         age = f", {format_duration(now - created)} old" if created else ""
         lines = [
             f"step {found.step} verified{age} ({found.path})",
@@ -858,7 +859,7 @@ def _judge_framework(
     ok = not any(passed.committed for passed in found.passed_over)
     if found.path is None:
         return lines, ok, ""
-    return lines, ok, _stuck(_timestamp(found.created), list(found.created_times), now, started)
+    return lines, ok, _stuck(created_time(found.created), list(found.created_times), now, started)
 
 
 def _framework_newest(path: Path, kind: str) -> str:
@@ -883,7 +884,7 @@ def _framework_newest(path: Path, kind: str) -> str:
 def _stuck(created: float | None, times: list[str], now: float, started: float | None) -> str:
     """A note when no checkpoint came for much longer than the usual time between the recent
     ones (``times``: when each checkpoint was saved, oldest first); ``""`` otherwise."""
-    stamps = [t for t in (_timestamp(c) for c in times[-6:]) if t]
+    stamps = [t for t in (created_time(c) for c in times[-6:]) if t]
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps) if b > a)
     if not created or not gaps:
         return ""
@@ -895,10 +896,3 @@ def _stuck(created: float | None, times: list[str], now: float, started: float |
         f"no new checkpoint for {format_duration(quiet)}, while they came every "
         f"{format_duration(usual)} before: the job may be stuck; look at the log"
     )
-
-
-def _timestamp(created: str) -> float | None:
-    try:
-        return datetime.fromisoformat(created).timestamp()
-    except (TypeError, ValueError):
-        return None
