@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nbresume.checkpoint.backends import SCHEME_PACKAGES
 from nbresume.checkpoint.format import created_time
 from nbresume.errors import NbresumeError, StorageError, UsageError
 
@@ -915,19 +916,6 @@ _FOLDER_ARGUMENT = {
     "push": "dir",
 }
 
-#: The package behind an fsspec URL scheme, and what to install for it.
-_BACKEND_PACKAGES = {
-    "s3": ("s3fs", 'pip install "nbresume[s3]"'),
-    "s3a": ("s3fs", 'pip install "nbresume[s3]"'),
-    "gs": ("gcsfs", "pip install gcsfs"),
-    "gcs": ("gcsfs", "pip install gcsfs"),
-    "az": ("adlfs", "pip install adlfs"),
-    "abfs": ("adlfs", "pip install adlfs"),
-    "abfss": ("adlfs", "pip install adlfs"),
-    "sftp": ("paramiko", 'pip install "nbresume[ssh]"'),
-    "ssh": ("paramiko", 'pip install "nbresume[ssh]"'),
-}
-
 
 def _name(args: argparse.Namespace) -> str:
     """The command's name (``args.command`` is ``run``'s own command line for ``run``)."""
@@ -1004,7 +992,7 @@ def _check_scheme(scheme: str, location: str) -> None:
             "s3://bucket/path or gs://bucket/path",
         ) from None
     except ImportError as exc:  # fsspec: the package of that file system is not installed
-        package, install = _BACKEND_PACKAGES.get(scheme, ("", ""))
+        package, install = SCHEME_PACKAGES.get(scheme, ("", ""))
         if package:
             raise UsageError(
                 f"{scheme}:// URLs need the package {package}, which is not installed",
