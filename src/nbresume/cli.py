@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nbresume.checkpoint.backends import SCHEME_PACKAGES
+from nbresume.checkpoint.format import created_time
 from nbresume.errors import NbresumeError, StorageError, UsageError
 
 
@@ -254,12 +256,12 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
             return []
         return ["last verified checkpoint: none: no checkpoint in the folder verifies"]
     step, when = verified
-    created = _unix_time(when)
+    created = created_time(when)
     if created is None:
         return [f"last verified checkpoint: step {step:,}"]
     quiet = max(0.0, now - created)
     lines = [f"last verified checkpoint: step {step:,}, {format_duration(quiet)} ago"]
-    stamps = sorted(t for t in (_unix_time(c) for c in times[-6:]) if t is not None)
+    stamps = sorted(t for t in (created_time(c) for c in times[-6:]) if t is not None)
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps) if b > a)
     if gaps and running is not False:
         usual = gaps[len(gaps) // 2]
@@ -276,15 +278,6 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
             else:  # no run record: the training may have ended long ago
                 lines.append(f"note: {gap}: if the training still runs, it is not saving")
     return lines
-
-
-def _unix_time(created: str) -> float | None:
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
-    except (TypeError, ValueError):
-        return None
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -933,19 +926,6 @@ _FOLDER_ARGUMENT = {
     "push": "dir",
 }
 
-#: The package behind an fsspec URL scheme, and what to install for it.
-_BACKEND_PACKAGES = {
-    "s3": ("s3fs", 'pip install "nbresume[s3]"'),
-    "s3a": ("s3fs", 'pip install "nbresume[s3]"'),
-    "gs": ("gcsfs", "pip install gcsfs"),
-    "gcs": ("gcsfs", "pip install gcsfs"),
-    "az": ("adlfs", "pip install adlfs"),
-    "abfs": ("adlfs", "pip install adlfs"),
-    "abfss": ("adlfs", "pip install adlfs"),
-    "sftp": ("paramiko", 'pip install "nbresume[ssh]"'),
-    "ssh": ("paramiko", 'pip install "nbresume[ssh]"'),
-}
-
 
 def _name(args: argparse.Namespace) -> str:
     """The command's name (``args.command`` is ``run``'s own command line for ``run``)."""
@@ -1022,7 +1002,7 @@ def _check_scheme(scheme: str, location: str) -> None:
             "s3://bucket/path or gs://bucket/path",
         ) from None
     except ImportError as exc:  # fsspec: the package of that file system is not installed
-        package, install = _BACKEND_PACKAGES.get(scheme, ("", ""))
+        package, install = SCHEME_PACKAGES.get(scheme, ("", ""))
         if package:
             raise UsageError(
                 f"{scheme}:// URLs need the package {package}, which is not installed",

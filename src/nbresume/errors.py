@@ -1,10 +1,15 @@
-"""Every error nbresume raises: one base class, subclasses named after the domain.
+"""Every error nbresume raises to its caller: one base class, subclasses named after the domain.
 
 Each error says where it happened, what went wrong and what to do about it, and keeps those
-parts as attributes so that a panel or a log line can show them separately.
+parts as attributes so that a panel or a log line can show them separately. An exception
+that never leaves the module raising it (a signal between two of its functions, an OSError a
+bucket's reader turns into a skipped checkpoint) stays in that module; so does the resume
+check's ``RunFailed``, which only ``nbresume.resumecheck`` raises and catches.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 class NbresumeError(Exception):
@@ -71,8 +76,11 @@ class StorageFullError(CheckpointError):
         super().__init__(message, where=where, fix=fix)
 
 
-class StorageError(CheckpointError):
-    """The storage backend failed (permissions, a vanished mount, a network store error)."""
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (permissions, a vanished mount, a network store error).
+
+    It is also an OSError, what Python raises when a file system fails, so that code that
+    catches those catches it too (its ``errno`` is ``None``)."""
 
 
 class FolderInUseError(CheckpointError):
@@ -93,6 +101,47 @@ class FolderInUseError(CheckpointError):
 class LeaseLostError(FolderInUseError):
     """This writer no longer holds the folder's lease (a newer Checkpointer in this process,
     or another process after the lease expired, took it over): it must not write there."""
+
+
+_BASE_FIX = (
+    "build the model from the same base weights as the run that saved the checkpoint (the same "
+    "pretrained file and revision, the same layers frozen) before restoring; to fine-tune "
+    "another base, start a new run in another folder"
+)
+
+
+class BaseMismatchError(CheckpointError):
+    """The model given to a trainable-only restore is not the one the checkpoint was saved
+    from: a frozen weight, a shape, a dtype or a tensor name differs.
+
+    Attributes:
+        tensor: the name of the first tensor that differs.
+        differences: one line per differing tensor.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        where: str = "",
+        fix: str = _BASE_FIX,
+        tensor: str = "",
+        differences: Iterable[str] = (),
+    ) -> None:
+        self.tensor = tensor
+        self.differences = list(differences)
+        super().__init__(message, where=where, fix=fix)
+
+
+class DoesNotFit(CheckpointError):
+    """A checkpoint whose saved objects differ from the live ones (names, shapes, dtypes)."""
+
+    def __init__(
+        self, message: str, *, where: str, fix: str, step: int, differences: list[str]
+    ) -> None:
+        self.step = step
+        self.differences = differences
+        super().__init__(message, where=where, fix=fix)
 
 
 class UsageError(NbresumeError):
@@ -121,3 +170,24 @@ class PreflightError(NbresumeError):
     ) -> None:
         self.report = report
         super().__init__(message, where=where, fix=fix)
+
+
+class KaggleError(NbresumeError):
+    """Kaggle refused a request or could not be reached.
+
+    Attributes:
+        reason: ``"quota"``, ``"sessions"``, ``"not-found"``, ``"auth"``, ``"network"`` or
+            ``"other"``.
+    """
+
+    def __init__(self, message: str, *, where: str = "", fix: str = "", reason: str = "other"):
+        self.reason = reason
+        super().__init__(message, where=where, fix=fix)
+
+
+class ChainError(NbresumeError):
+    """A leg of a chain failed, or its output did not verify."""
+
+
+class SecretInCheckpointError(NbresumeError):
+    """What the checkpoint would upload holds a credential."""

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
-from nbresume.checkpoint.backends import FsspecStore, LocalStore, Store, fsync_folder, open_store
+from nbresume.checkpoint.backends import Backend, FsspecStore, LocalStore, fsync_folder, open_store
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -122,7 +122,7 @@ def kaggle_command(verb: str) -> Callable[..., int]:
 # -- the source ------------------------------------------------------------------------------
 
 
-def open_source(src: str, *, identity: str | None = None) -> Store:
+def open_source(src: str, *, identity: str | None = None) -> Backend:
     """The store to pull from: SSH/SFTP, any fsspec URL, or a local folder."""
     scheme = src.split("://", 1)[0].lower() if "://" in src else ""
     if scheme in ("ssh", "sftp"):
@@ -132,7 +132,7 @@ def open_source(src: str, *, identity: str | None = None) -> Store:
     return open_store(src)
 
 
-def _ssh_store(url: str, identity: str | None) -> Store:
+def _ssh_store(url: str, identity: str | None) -> Backend:
     try:
         import paramiko
         from fsspec.implementations.sftp import SFTPFileSystem
@@ -321,7 +321,7 @@ class Puller:
 
     def __init__(
         self,
-        source: Store,
+        source: Backend,
         dst: Path,
         *,
         rate: float | None = None,
@@ -350,6 +350,8 @@ class Puller:
             raw = bytes(self.source.read_bytes(folder, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES))
         except FileNotFoundError:
             return None
+        except StorageError:
+            raise  # the source's own error already says where and what to do
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # a FIFO, a link or a folder: a broken checkpoint
                 return _Result(name, False, problem=f"{manifest_where}: not a regular file")
@@ -450,6 +452,8 @@ class Puller:
                 read_header(handle, entry.size, where=self.source.child(folder, name))
         except CorruptCheckpointError as exc:
             raise _Mismatch(exc.message) from None
+        except StorageError:
+            raise  # the source's own error already says where and what to do
         except OSError:
             pass  # the copy meets the same problem and reports it as usual
 
@@ -549,7 +553,7 @@ def _quiet_prefetch_threads() -> Iterator[None]:
         threading.excepthook = previous
 
 
-def _pull_all(source: Store, target: Path, rate: float | None, out: Callable[[str], None]) -> int:
+def _pull_all(source: Backend, target: Path, rate: float | None, out: Callable[[str], None]) -> int:
     puller = Puller(source, target, rate=rate, out=out)
     out(f"nbresume pull: {source.location} -> {target}")
     results: dict[str, _Result] = {}
@@ -620,7 +624,7 @@ def _pull_all(source: Store, target: Path, rate: float | None, out: Callable[[st
     return 0
 
 
-def _live_writer(source: Store) -> Holder | None:
+def _live_writer(source: Backend) -> Holder | None:
     """The live writer holding the source's lease (``None`` when there is none)."""
     where = source.child(LEASE_NAME)
     try:
@@ -665,7 +669,7 @@ def _describe_writer(holder: Holder) -> str:
     )
 
 
-def _pull_log(source: Store, target: Path, out: Callable[[str], None]) -> None:
+def _pull_log(source: Backend, target: Path, out: Callable[[str], None]) -> None:
     """The training log ``nbresume run`` keeps next to the checkpoints, when there is one."""
     from nbresume.runner import DEFAULT_LOG_NAME
 

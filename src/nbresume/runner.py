@@ -45,6 +45,7 @@ from types import FrameType
 from typing import Any, BinaryIO
 
 from nbresume.checkpoint import procfs
+from nbresume.checkpoint.format import created_time
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import NbresumeError, UsageError
 
@@ -167,24 +168,6 @@ def default_log(ckpt_dir: str | None) -> Path:
 def process_start(pid: int) -> int | None:
     """The start time of ``pid`` in clock ticks since boot, where /proc tells."""
     return procfs.start_ticks(pid)
-
-
-def process_alive(pid: int | None, start: int | None = None) -> bool:
-    """Whether ``pid`` runs (not a zombie) and is the process that started at ``start``."""
-    if not pid:
-        return False
-    if not procfs.has_proc():  # no /proc (macOS): ask the kernel directly
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    stat = procfs.stat_fields(pid)
-    if stat is None or stat[0] in ("Z", "X"):
-        return False
-    return start is None or int(stat[19]) == start
 
 
 def group_alive(pgid: int | None) -> bool:
@@ -597,8 +580,8 @@ def prepare(
                 old.status != "exited"
                 and old.host == socket.gethostname()
                 and (
-                    process_alive(old.supervisor_pid, old.supervisor_start)
-                    or process_alive(old.pid, old.pid_start)
+                    procfs.process_runs(old.supervisor_pid, old.supervisor_start)
+                    or procfs.process_runs(old.pid, old.pid_start)
                 )
             ):
                 raise NbresumeError(
@@ -784,8 +767,8 @@ def _judge_process(state: RunState, now: float) -> tuple[str, bool, float | None
             False,
             None,
         )
-    job = process_alive(state.pid, state.pid_start)
-    supervisor = process_alive(state.supervisor_pid, state.supervisor_start)
+    job = procfs.process_runs(state.pid, state.pid_start)
+    supervisor = procfs.process_runs(state.supervisor_pid, state.supervisor_start)
     since = format_duration(now - (state.attempt_started or state.started))
     if job and supervisor:
         return (
@@ -835,7 +818,7 @@ def _judge_checkpoint(
         return [f"none yet in {location}"], True, ""
     newest = infos[-1]
     result = store.verify(newest.step).results[0]
-    created = _timestamp(newest.created)
+    created = created_time(newest.created)
     age = f", {format_duration(now - created)} old" if created else ""
     if not result.ok:
         return [f"step {newest.step} does NOT verify{age}: {result.problem}"], False, ""
@@ -860,7 +843,7 @@ def _judge_framework(
         first = f"none verifies in {path}" if found.passed_over else f"none yet in {path}"
         lines = [first, f"{resume} finds none: a run starts from scratch"]
     else:
-        created = _timestamp(found.created)
+        created = created_time(found.created)
         age = f", {format_duration(now - created)} old" if created else ""
         lines = [
             f"step {found.step} verified{age} ({found.path})",
@@ -876,7 +859,7 @@ def _judge_framework(
     ok = not any(passed.committed for passed in found.passed_over)
     if found.path is None:
         return lines, ok, ""
-    return lines, ok, _stuck(_timestamp(found.created), list(found.created_times), now, started)
+    return lines, ok, _stuck(created_time(found.created), list(found.created_times), now, started)
 
 
 def _framework_newest(path: Path, kind: str) -> str:
@@ -901,7 +884,7 @@ def _framework_newest(path: Path, kind: str) -> str:
 def _stuck(created: float | None, times: list[str], now: float, started: float | None) -> str:
     """A note when no checkpoint came for much longer than the usual time between the recent
     ones (``times``: when each checkpoint was saved, oldest first); ``""`` otherwise."""
-    stamps = [t for t in (_timestamp(c) for c in times[-6:]) if t]
+    stamps = [t for t in (created_time(c) for c in times[-6:]) if t]
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps) if b > a)
     if not created or not gaps:
         return ""
@@ -913,10 +896,3 @@ def _stuck(created: float | None, times: list[str], now: float, started: float |
         f"no new checkpoint for {format_duration(quiet)}, while they came every "
         f"{format_duration(usual)} before: the job may be stuck; look at the log"
     )
-
-
-def _timestamp(created: str) -> float | None:
-    try:
-        return datetime.fromisoformat(created).timestamp()
-    except (TypeError, ValueError):
-        return None

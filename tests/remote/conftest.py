@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nbresume.checkpoint.procfs import process_runs
 from nbresume.checkpoint.store import CheckpointStore
-from nbresume.runner import RunState, process_alive, state_path
+from nbresume.runner import RunState, state_path
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train_job.py"
@@ -99,10 +100,10 @@ def end_leftovers(tmp_path: Path) -> Iterator[None]:
             state = RunState.read(path)
         except Exception:
             continue
-        if process_alive(state.supervisor_pid, state.supervisor_start):
+        if process_runs(state.supervisor_pid, state.supervisor_start):
             with contextlib.suppress(OSError):
                 os.kill(state.supervisor_pid or 0, signal.SIGKILL)
-        if state.pgid and process_alive(state.pid, state.pid_start):
+        if state.pgid and process_runs(state.pid, state.pid_start):
             with contextlib.suppress(OSError):
                 os.killpg(state.pgid, signal.SIGKILL)
 

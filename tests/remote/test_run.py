@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from nbresume.runner import process_alive
+from nbresume.checkpoint.procfs import process_runs
 
 from .conftest import (
     HANG_S,
@@ -81,8 +81,8 @@ def test_a_detached_run_outlives_the_command_that_started_it(
     assert state is not None
     assert state.status == "running"
     # The command that started it is gone; the job is not (it waits for the go file).
-    assert process_alive(state.pid, state.pid_start)
-    assert process_alive(state.supervisor_pid, state.supervisor_start)
+    assert process_runs(state.pid, state.pid_start)
+    assert process_runs(state.supervisor_pid, state.supervisor_start)
     assert os.getsid(state.supervisor_pid or 0) == state.supervisor_pid
 
     go.touch()

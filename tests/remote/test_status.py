@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from nbresume.checkpoint.format import step_dirname
-from nbresume.checkpoint.procfs import boot_id
+from nbresume.checkpoint.procfs import boot_id, process_runs
 from nbresume.cli import main
 from nbresume.pull import is_kaggle_ref
-from nbresume.runner import RunState, process_alive, process_start, state_path
+from nbresume.runner import RunState, process_start, state_path
 
 from .conftest import (
     HANG_S,
@@ -68,7 +68,7 @@ def test_a_running_job_then_one_that_died_without_a_word(
     os.kill(state.supervisor_pid or 0, signal.SIGKILL)
     os.killpg(state.pgid or 0, signal.SIGKILL)
     wait_until(
-        lambda: not process_alive(state.pid) and not process_alive(state.supervisor_pid),
+        lambda: not process_runs(state.pid) and not process_runs(state.supervisor_pid),
         "the killed processes to be gone",
     )
     code, out, _ = status(ckpt, capsys)

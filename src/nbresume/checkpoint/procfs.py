@@ -43,6 +43,30 @@ def start_ticks(pid: int | str) -> int | None:
     return int(fields[19]) if fields else None
 
 
+def process_runs(pid: int | None, started: int | str | None = None) -> bool:
+    """Whether the process ``pid`` runs: it exists and is no zombie (ended, waiting for its
+    parent to reap it), and where ``started`` is given (its start time, in clock ticks since
+    boot, as :func:`start_ticks` reads it) it is that process, not a later one under a
+    reused pid. Without ``/proc`` (macOS) the kernel only says whether the pid exists. Where
+    the kernel cannot tell, the answer is yes: a caller never takes a live process for gone."""
+    if pid is None or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False  # gone, or a pid no process can have
+    except PermissionError:
+        pass  # it exists, under another user
+    except OSError:
+        return True  # cannot tell
+    if not has_proc():
+        return True
+    fields = stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return False  # ended between the two looks, or killed and not yet reaped
+    return started is None or started == "" or fields[19] == str(started)
+
+
 def group_members(pgid: int) -> list[int] | None:
     """The processes of the process group ``pgid`` that still run (zombies, which have ended
     and wait to be reaped, left out); ``None`` where ``/proc`` is missing."""

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbresume.errors import NbresumeError
+from nbresume.errors import ChainError, KaggleError
 from nbresume.kaggle import metadata as meta
-from nbresume.kaggle.client import Kaggle, KaggleError, SessionStatus
+from nbresume.kaggle.client import Kaggle, SessionStatus
 from nbresume.kaggle.output import Pulled, pull
 
 PARTNER_SUFFIX = "-b"
@@ -35,10 +35,6 @@ DEFAULT_LEGS = 3
 DEFAULT_POLL_S = 60.0
 #: A leg waits at most this long for Kaggle to finish a version (queue time included).
 DEFAULT_LEG_TIMEOUT_S = 14 * 3600.0
-
-
-class ChainError(NbresumeError):
-    """A leg of a chain failed, or its output did not verify."""
 
 
 @dataclass

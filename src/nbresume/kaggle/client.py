@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from nbresume.errors import NbresumeError, UsageError
+from nbresume.errors import KaggleError, UsageError
 from nbresume.kaggle.metadata import SOURCE_KEYS, parse_ref
 
 #: Statuses after which a version runs no more.
@@ -40,19 +40,6 @@ _CREDENTIALS_FIX = (
     "create an API token at kaggle.com → Settings → API → Create New Token, then save "
     "kaggle.json in ~/.kaggle/ (chmod 600) or set KAGGLE_USERNAME and KAGGLE_KEY"
 )
-
-
-class KaggleError(NbresumeError):
-    """Kaggle refused a request or could not be reached.
-
-    Attributes:
-        reason: ``"quota"``, ``"sessions"``, ``"not-found"``, ``"auth"``, ``"network"`` or
-            ``"other"``.
-    """
-
-    def __init__(self, message: str, *, where: str = "", fix: str = "", reason: str = "other"):
-        self.reason = reason
-        super().__init__(message, where=where, fix=fix)
 
 
 @dataclass(frozen=True)

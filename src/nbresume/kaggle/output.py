@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbresume.checkpoint.format import MANIFEST_NAME, parse_step_dirname
+from nbresume.checkpoint.format import MANIFEST_NAME, STATE_FILE, parse_step_dirname
 from nbresume.checkpoint.store import LEASE_NAME, CheckpointStore, VerifyReport
 from nbresume.kaggle.client import Kaggle, safe_output_path
 from nbresume.kaggle.metadata import parse_ref
 
 #: How deep under the download a checkpoint folder is looked for.
 MAX_DEPTH = 8
-STATE_FILE = "state.json"
 
 
 @dataclass
@@ -114,7 +113,7 @@ def check_runs(root: Path) -> list[RunState]:
         run = RunState(folder=folder, report=report)
         for result in sorted(report.results, key=lambda r: r.step, reverse=True):
             if result.ok:
-                state = _read_state(folder / result.name / STATE_FILE)
+                state = _read_state(folder / result.name / f"{STATE_FILE}.json")
                 run.step = result.step
                 # As Checkpointer.restore reads it: done, and not given a larger total since.
                 total = state.get("total")

@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from nbresume.checkpoint.backends import Store, handle_size, read_into
+from nbresume.checkpoint.backends import Backend, handle_size, read_into
 from nbresume.checkpoint.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry
 from nbresume.checkpoint.store import (
     CheckpointInfo,
@@ -47,7 +47,12 @@ from nbresume.checkpoint.store import (
     read_header,
 )
 from nbresume.checkpoint.units import format_bytes
-from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeError, UsageError
+from nbresume.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    SecretInCheckpointError,
+    UsageError,
+)
 from nbresume.kaggle import secrets
 from nbresume.kaggle.metadata import parse_ref
 from nbresume.platforms.base import check_run_name
@@ -60,10 +65,6 @@ CHUNK = 8 << 20
 #: repeats, so that a credential across two pieces is whole in one of them.
 SCAN_PIECE = 1 << 20
 SCAN_OVERLAP = 64 << 10
-
-
-class SecretInCheckpointError(NbresumeError):
-    """What the checkpoint would upload holds a credential."""
 
 
 def push(
@@ -301,7 +302,7 @@ def _failed(info: CheckpointInfo, problem: str) -> VerifyResult:
     return VerifyResult(info.name, info.step, info.location, ok=False, problem=problem)
 
 
-def _copy_checked(store: Store, name: str, file_name: str, entry: FileEntry, dest: Path) -> None:
+def _copy_checked(store: Backend, name: str, file_name: str, entry: FileEntry, dest: Path) -> None:
     """Copy one file of the checkpoint to ``dest`` in pieces of at most :data:`CHUNK` bytes,
     hashing each piece: its size is checked against ``entry`` before the first byte is copied
     (where the store can tell it without reading), and the copy stops at the first byte

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe
+from nbresume.checkpoint.format import created_time
 from nbresume.checkpoint.units import format_duration
 
 if TYPE_CHECKING:
@@ -425,7 +426,7 @@ class Tracker:
             return
         if info is not None:
             self._states[info.step] = CheckpointView(
-                info.step, FOUND, info.size, _parse_time(info.created), info.location
+                info.step, FOUND, info.size, created_time(info.created), info.location
             )
 
     @property
@@ -787,15 +788,6 @@ def _session_deadline(run: Run) -> tuple[float | None, str]:
     except Exception as exc:  # a bad NBRESUME_SESSION_CAP is the preflight's to report
         log.debug("nbresume: session deadline unknown: %s", exc)
         return None, ""
-
-
-def _parse_time(text: str) -> float | None:
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except (ValueError, AttributeError):
-        return None
 
 
 _TRACKER: Tracker | None = None

@@ -229,6 +229,8 @@ def _copy_checkpoint(
                 finally:
                     dst.close_durably(writer)
         dst.commit(folder, final)
+    except StorageError:
+        raise  # a store's own error already says where and what to do
     except OSError as exc:
         dst.discard(folder)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):

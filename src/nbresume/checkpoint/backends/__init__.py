@@ -26,7 +26,6 @@ from nbresume.checkpoint.backends.base import (
     Backend,
     Durability,
     FreeSpace,
-    Store,
     handle_size,
     read_into,
     replaced_step,
@@ -35,6 +34,7 @@ from nbresume.checkpoint.backends.drive import DriveApi, DriveStore
 from nbresume.checkpoint.backends.fsspec_store import FsspecStore
 from nbresume.checkpoint.backends.local import LocalStore, fsync_folder, wait_for_removals
 from nbresume.checkpoint.backends.registry import (
+    SCHEME_PACKAGES,
     backend_kind,
     check_location,
     get_backend_class,
@@ -49,6 +49,7 @@ __all__ = [
     "READ_CHUNK",
     "REPLACED_PREFIX",
     "SAVED",
+    "SCHEME_PACKAGES",
     "SMALL_FILE_LIMIT",
     "SYNCING",
     "Backend",
@@ -58,7 +59,6 @@ __all__ = [
     "FreeSpace",
     "FsspecStore",
     "LocalStore",
-    "Store",
     "backend_kind",
     "check_location",
     "fsync_folder",

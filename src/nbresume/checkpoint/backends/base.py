@@ -234,10 +234,6 @@ class Backend(ABC):
         """Remove the small file ``name`` below the root, if it is there."""
 
 
-#: The name the backend protocol had first; kept for code that imports it.
-Store = Backend
-
-
 def read_into(handle: IO[bytes], view: memoryview) -> int:
     """Fill ``view`` from ``handle``; return how many bytes were read (fewer only at the end
     of the file). Reads straight into ``view`` where the file object can (``readinto``)."""

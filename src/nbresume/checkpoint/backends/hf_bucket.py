@@ -208,8 +208,8 @@ class HfBucketStore(Backend):
                     time.sleep(_retry_after(exc.response.headers, attempt))
                     continue
                 raise self._error(what, exc, status) from None
-            except (FileNotFoundError, BucketReadError):
-                raise
+            except (FileNotFoundError, BucketReadError, StorageError):
+                raise  # StorageError: already in nbresume's words
             except OSError as exc:
                 raise self._error(what, exc, None) from None
             except Exception as exc:

@@ -39,6 +39,19 @@ known_backends: dict[str, dict[str, str]] = {
     },
 }
 
+#: The package behind an fsspec URL scheme, and what to install for it.
+SCHEME_PACKAGES: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", 'pip install "nbresume[s3]"'),
+    "s3a": ("s3fs", 'pip install "nbresume[s3]"'),
+    "gs": ("gcsfs", "pip install gcsfs"),
+    "gcs": ("gcsfs", "pip install gcsfs"),
+    "az": ("adlfs", "pip install adlfs"),
+    "abfs": ("adlfs", "pip install adlfs"),
+    "abfss": ("adlfs", "pip install adlfs"),
+    "sftp": ("paramiko", 'pip install "nbresume[ssh]"'),
+    "ssh": ("paramiko", 'pip install "nbresume[ssh]"'),
+}
+
 #: Backend classes already imported or registered as classes, by kind.
 registry: dict[str, type[Backend]] = {}
 
@@ -127,12 +140,15 @@ def open_store(
     try:
         return get_backend_class(kind).from_location(text, storage_options)
     except ImportError as exc:
-        module = exc.name or _protocol_module(text)
-        extra = ' (or pip install "nbresume[s3]")' if module == "s3fs" else ""
+        scheme = text.split("::", 1)[0].split("://", 1)[0]
+        package, install = SCHEME_PACKAGES.get(scheme, ("", ""))
+        module = exc.name or package or _protocol_module(text)
+        if module and module != package:
+            install = f"pip install {module}"
         raise UsageError(
             f"the file system of {text} is not installed: {exc}",
             where=text,
-            fix=f"pip install {module}{extra}" if module else "install fsspec's package for it",
+            fix=install or "install fsspec's package for it",
         ) from None
 
 

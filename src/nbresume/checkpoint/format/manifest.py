@@ -24,6 +24,7 @@ import math
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TypeGuard
 
 from nbresume.errors import CorruptCheckpointError
@@ -258,3 +259,12 @@ def _is_finite(value: object) -> bool:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in a manifest")
+
+
+def created_time(created: str) -> float | None:
+    """The Unix time of a manifest's ``created`` (ISO 8601, as :attr:`Manifest.created`
+    holds it), or ``None`` where it is empty or not a time."""
+    try:
+        return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    except (TypeError, ValueError, AttributeError):
+        return None

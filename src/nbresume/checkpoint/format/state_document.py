@@ -31,6 +31,8 @@ from typing import Any
 from nbresume.checkpoint.format.tensorfile import _DTYPES, TensorSpec, signature
 from nbresume.errors import CheckpointError, CorruptCheckpointError
 
+#: The name (without ``.json``) of a Checkpointer's state document in a checkpoint folder.
+STATE_FILE = "state"
 TAG = "$t"
 Tree = Any
 

@@ -40,7 +40,7 @@ from nbresume.checkpoint import forksafe
 
 # The value a backend answers with lives with the backend protocol; named here too.
 from nbresume.checkpoint.backends import FAILED, MISSING, SAVED, SYNCING, Durability
-from nbresume.errors import CheckpointError, NoCheckpointError
+from nbresume.errors import CheckpointError, NoCheckpointError, StorageError
 
 if TYPE_CHECKING:
     from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
@@ -125,6 +125,8 @@ class DurabilityWatcher:
     def _check(self, info: CheckpointInfo, last_state: str, since: float) -> None:
         try:
             folders = self.store.backend.list_folders()
+        except StorageError:
+            raise  # the store's own error: the watcher reports it
         except OSError:
             folders = [info.name]
         if info.name not in folders:

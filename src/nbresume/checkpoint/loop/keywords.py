@@ -25,7 +25,7 @@ from nbresume.checkpoint.arguments import (
     refused,
     show,
 )
-from nbresume.checkpoint.backends import Store, check_location
+from nbresume.checkpoint.backends import Backend, check_location
 from nbresume.checkpoint.loop.cadence import parse_every
 from nbresume.checkpoint.loop.deadline import check_deadline
 from nbresume.checkpoint.state import (
@@ -60,7 +60,7 @@ def check_arguments(
     one, naming it, its value and the fix. ``options`` are the names of its options (a
     misspelled one among the state keywords is named: :func:`option_names`)."""
     call = "Checkpointer"
-    if not isinstance(dir, Store):
+    if not isinstance(dir, Backend):
         check_location(dir, call, "dir")
     parse_every(every, call)
     check_keep(call, keep)

@@ -137,7 +137,7 @@ class Saver:
         copy of the whole state to the host first (into fresh, pageable memory: a page fault
         per page, and a copy that cannot overlap the write) would add its own time."""
         snapshot.landed()  # a background save's copies from the GPU are in its buffers
-        return self.commit(
+        return self.run_reported(
             snapshot.step,
             lambda on_committed: self.store.save(
                 snapshot.step,
@@ -203,7 +203,7 @@ class Saver:
             format_bytes(STAGE_BUFFERS * STAGE_PIECE),
         )
 
-    def commit(
+    def run_reported(
         self,
         step: int,
         save: Callable[[Callable[[CheckpointInfo], None]], CheckpointInfo],

@@ -412,7 +412,7 @@ class Sharded(Strategy):
         if problem is not None:
             raise problem
         self.host.mark_saved(step)
-        return self.saver.commit(
+        return self.saver.run_reported(
             step,
             lambda on_committed: save_sharded(
                 self.host.store,

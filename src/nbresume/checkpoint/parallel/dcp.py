@@ -17,7 +17,7 @@ import json
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from nbresume.checkpoint.format import (
     FileEntry,
@@ -63,25 +63,9 @@ def is_sharded_file(name: str, stem: str = DEFAULT_STEM) -> bool:
 # -- the ranks -----------------------------------------------------------------------------
 
 
-class Solo:
-    """This process alone (no process group, or a group of one): every collective is a no-op."""
-
-    rank = 0
-    world_size = 1
-
-    def broadcast_bytes(self, data: bytes) -> bytes:
-        return data
-
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        return [data]
-
-
-Ranks = Union["distributed.Group", Solo]
-
-
-def ranks() -> Ranks:
+def ranks() -> distributed.Group:
     """The job's ranks; bytes travel between them in tensor collectives, never pickled."""
-    return distributed.current() or Solo()
+    return distributed.current() or distributed.Solo()
 
 
 def dcp_without_group() -> bool:
@@ -91,7 +75,7 @@ def dcp_without_group() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def problems_of(ranks: Ranks, problem: str) -> list[str]:
+def problems_of(ranks: distributed.Group, problem: str) -> list[str]:
     """Every rank's problem (``""``: none), so that all ranks take the same branch."""
     return [p.decode() for p in ranks.all_gather_bytes(problem.encode()) if p]
 
@@ -236,7 +220,7 @@ def make_reader(
     manifest: Manifest,
     metadata: Metadata,
     stem: str,
-    group: Ranks,
+    group: distributed.Group,
     preloaded: Mapping[str, dict[str, Any]] | None = None,
 ) -> Any:
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner

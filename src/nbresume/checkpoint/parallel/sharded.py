@@ -63,8 +63,6 @@ from nbresume.checkpoint.format import (
 )
 from nbresume.checkpoint.parallel.dcp import (
     DEFAULT_STEM,
-    Ranks,
-    Solo,
     dcp_without_group,
     decode_metadata,
     is_sharded_file,
@@ -81,6 +79,7 @@ from nbresume.checkpoint.parallel.dcp import (
     read_verified,
     shard_names,
 )
+from nbresume.checkpoint.parallel.distributed import Group, Solo
 from nbresume.checkpoint.state import DoesNotFit, restoring
 from nbresume.checkpoint.store import (
     CheckpointInfo,
@@ -96,6 +95,7 @@ from nbresume.checkpoint.store import (
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    StorageError,
     UsageError,
 )
 
@@ -341,6 +341,8 @@ def load_sharded(
                 )
             except FileNotFoundError:
                 problem = "\0"  # never committed: not a checkpoint, nothing to warn about
+            except StorageError:
+                raise  # the store failed: not a damaged checkpoint
             except OSError as exc:
                 where = store.backend.child(folder, MANIFEST_NAME)
                 problem = f"{where}: cannot read the manifest: {exc}"
@@ -363,7 +365,7 @@ def _load_folder(
     *,
     state_dict: dict[str, Any],
     stem: str,
-    group: Ranks,
+    group: Group,
     check: Callable[[LoadedCheckpoint], None] | None = None,
 ) -> LoadedCheckpoint:
     """Every rank: verify and load one checkpoint, or raise the same error on every rank."""

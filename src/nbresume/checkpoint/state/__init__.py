@@ -13,6 +13,7 @@ This package is the layer's API: the names below are what the rest of the packag
 
 from __future__ import annotations
 
+from nbresume.checkpoint.format import STATE_FILE
 from nbresume.checkpoint.state.data import ResumableLoader, sample_generator, sample_seed
 from nbresume.checkpoint.state.determinism import apply as apply_determinism
 from nbresume.checkpoint.state.determinism import describe as describe_determinism
@@ -20,13 +21,11 @@ from nbresume.checkpoint.state.generators import GeneratorState, is_generator
 from nbresume.checkpoint.state.health import MIN_BATCHES, DataWaitShare, data_wait_of
 from nbresume.checkpoint.state.optimizer_extras import StepWatch
 from nbresume.checkpoint.state.prepared import unwrap, unwrap_loader
-from nbresume.checkpoint.state.restoring import DoesNotFit
 from nbresume.checkpoint.state.snapshot import (
     GRADIENTS_GROUP,
     RNG_GROUP,
     STAGE_BUFFERS,
     STAGE_PIECE,
-    STATE_FILE,
     VALUES_GROUP,
     HostBuffers,
     Snapshot,
@@ -34,7 +33,8 @@ from nbresume.checkpoint.state.snapshot import (
     capture,
     tensor_bytes,
 )
-from nbresume.checkpoint.state.trainable import BaseMismatchError, TrainableOnly, trainable_only
+from nbresume.checkpoint.state.trainable import TrainableOnly, trainable_only
+from nbresume.errors import BaseMismatchError, DoesNotFit
 
 __all__ = [
     "GRADIENTS_GROUP",

@@ -220,28 +220,13 @@ def _end_on_sigterm_from_trainer(trainer: int) -> None:
         if watch:
             info = signal.sigtimedwait({signal.SIGTERM}, 1.0)
             if info is None:
-                if not _alive(trainer):
+                if not procfs.process_runs(trainer):
                     os._exit(0)
                 continue
         else:
             info = signal.sigwaitinfo({signal.SIGTERM})
         if info.si_pid in (trainer, parent) or os.getppid() != parent:
             os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
-    import os
-
-    if procfs.has_proc():
-        return procfs.state(pid) not in (None, "Z", "X")
-    try:  # no /proc: ask the kernel
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 #: The samplers of torch whose draws all come from their ``generator`` attribute (``None``:

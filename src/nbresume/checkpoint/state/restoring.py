@@ -29,6 +29,7 @@ from typing import Any
 
 from nbresume import knobs
 from nbresume.checkpoint.format import (
+    STATE_FILE,
     SavedState,
     TensorSpec,
     capture_rng,
@@ -40,10 +41,15 @@ from nbresume.checkpoint.format import (
 )
 from nbresume.checkpoint.state import optimizer_extras
 from nbresume.checkpoint.state.data import ResumableLoader
-from nbresume.checkpoint.state.snapshot import STATE_FILE
 from nbresume.checkpoint.state.trainable import TrainableOnly
 from nbresume.checkpoint.store import LoadedCheckpoint
-from nbresume.errors import CheckpointError, CorruptCheckpointError, NbresumeError, UsageError
+from nbresume.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DoesNotFit,
+    NbresumeError,
+    UsageError,
+)
 
 
 class RestorePlan:
@@ -561,17 +567,6 @@ _PARAMETER_SHAPED = frozenset(
     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
      "sum", "exp_inf", "ax", "prev", "step_size", "grad_avg"}
 )  # fmt: skip
-
-
-class DoesNotFit(CheckpointError):
-    """A checkpoint whose saved objects differ from the live ones (names, shapes, dtypes)."""
-
-    def __init__(
-        self, message: str, *, where: str, fix: str, step: int, differences: list[str]
-    ) -> None:
-        self.step = step
-        self.differences = differences
-        super().__init__(message, where=where, fix=fix)
 
 
 def no_fit(newest: DoesNotFit, misfits: list[DoesNotFit], location: str) -> CheckpointError:

@@ -28,8 +28,7 @@ from nbresume.checkpoint.format import STATE_VERSION, capture_rng, flatten
 
 log = logging.getLogger("nbresume")
 
-#: The JSON document of a checkpoint's state, and the tensor groups of RNGs and plain values.
-STATE_FILE = "state"
+#: The tensor groups of RNGs and plain values (the state document is format's STATE_FILE).
 RNG_GROUP = "rng"
 VALUES_GROUP = "values"
 #: The tensor group (and state member) of gradients pending between two optimizer steps.

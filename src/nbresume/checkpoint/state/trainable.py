@@ -28,42 +28,13 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
+from nbresume.errors import BaseMismatchError, CheckpointError, CorruptCheckpointError, UsageError
 
 if TYPE_CHECKING:
     import torch
 
 FORMAT = "nbresume-trainable"
 VERSION = 1
-
-_BASE_FIX = (
-    "build the model from the same base weights as the run that saved the checkpoint (the same "
-    "pretrained file and revision, the same layers frozen) before restoring; to fine-tune "
-    "another base, start a new run in another folder"
-)
-
-
-class BaseMismatchError(CheckpointError):
-    """The model given to a trainable-only restore is not the one the checkpoint was saved
-    from: a frozen weight, a shape, a dtype or a tensor name differs.
-
-    Attributes:
-        tensor: the name of the first tensor that differs.
-        differences: one line per differing tensor.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        where: str = "",
-        fix: str = _BASE_FIX,
-        tensor: str = "",
-        differences: Iterable[str] = (),
-    ) -> None:
-        self.tensor = tensor
-        self.differences = list(differences)
-        super().__init__(message, where=where, fix=fix)
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

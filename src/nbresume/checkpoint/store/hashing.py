@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from nbresume import knobs
 from nbresume.checkpoint import forksafe
-from nbresume.checkpoint.backends import READ_CHUNK, Store, read_into
+from nbresume.checkpoint.backends import READ_CHUNK, Backend, read_into
 from nbresume.checkpoint.forksafe import Workers
 from nbresume.checkpoint.format import HASH_ALGORITHM, HASH_DIGITS, FileEntry, tensorfile
 from nbresume.errors import CheckpointError, CorruptCheckpointError, UsageError
@@ -105,7 +105,7 @@ class Streamed:
 
 
 def write_files(
-    store: Store,
+    store: Backend,
     folder: str,
     files: Sequence[tuple[str, Iterable[bytes | memoryview] | Streamed]],
     *,
@@ -551,7 +551,7 @@ _WORKERS = Workers("nbresume-fsync", DURABLE_WORKERS)
 
 
 class DurableCloser:
-    """Makes written files durable (:meth:`Store.close_durably`) in worker threads, several
+    """Makes written files durable (:meth:`Backend.close_durably`) in worker threads, several
     at once, while the caller writes the next file. The first failure is raised in the caller
     (by :meth:`check` or :meth:`finish`); files given after it are only closed. Without
     ``threaded``, each file is made durable in the caller as it is given.
@@ -562,7 +562,7 @@ class DurableCloser:
     worker is working on, and closes the unclaimed ones itself: it never waits for a file
     that no worker will take."""
 
-    def __init__(self, store: Store, *, threaded: bool) -> None:
+    def __init__(self, store: Backend, *, threaded: bool) -> None:
         self._store = store
         self._threaded = threaded
         self._error: BaseException | None = None

@@ -91,7 +91,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeGuard
 
 from nbresume.checkpoint import forksafe, procfs
-from nbresume.checkpoint.backends import Store
+from nbresume.checkpoint.backends import Backend
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import FolderInUseError, LeaseLostError, StorageError
 
@@ -232,28 +232,6 @@ def _machine() -> str:
     return f"{boot}/{namespace}" if boot or namespace else ""
 
 
-def _process_runs(pid: int, started: str) -> bool:
-    """Whether the process ``pid`` that started at ``started`` still runs on this machine."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False  # gone, or a pid no process can have
-    except PermissionError:
-        pass  # it exists, under another user
-    except OSError:
-        return True  # cannot tell: never take over a lease that may be live
-    stat = procfs.stat_fields(pid)
-    if stat is None:
-        # Without /proc (macOS) a reused pid cannot be told apart; with it, the process
-        # ended between the two looks.
-        return not procfs.has_proc()
-    if stat[0] in ("Z", "X"):
-        return False  # killed, not yet reaped by its parent
-    return not started or stat[19] == started
-
-
 def _program() -> str:
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return (name or "python")[:100]
@@ -290,7 +268,7 @@ def judge(holder: Holder, me: Holder, now: float) -> tuple[str, str]:
     if holder.host == me.host and holder.machine == me.machine:
         if holder.pid == me.pid and holder.started == me.started:
             return "self", ""
-        if _process_runs(holder.pid, holder.started):
+        if procfs.process_runs(holder.pid, holder.started):
             return "live", ""
         return "stale", f"its process (pid {holder.pid} on this machine) is no longer running"
     age = now - holder.renewed
@@ -336,7 +314,7 @@ class WriterLease:
     """
 
     def __init__(
-        self, store: Store, *, purpose: str = "", drain: Callable[[], None] | None = None
+        self, store: Backend, *, purpose: str = "", drain: Callable[[], None] | None = None
     ) -> None:
         self.store = store
         self.purpose = purpose
@@ -700,7 +678,7 @@ def _rank() -> int:
 
 
 def acquire_writer_lease(
-    store: Store, *, purpose: str = "", drain: Callable[[], None] | None = None
+    store: Backend, *, purpose: str = "", drain: Callable[[], None] | None = None
 ) -> WriterLease | None:
     """The lease of ``store`` for a writer of this process, taken now; ``None`` on a rank other
     than 0 under torch.distributed (only rank 0 writes and commits). Raises
@@ -720,7 +698,7 @@ def acquire_writer_lease(
 
 
 @contextlib.contextmanager
-def holding(store: Store, *, purpose: str) -> Iterator[WriterLease]:
+def holding(store: Backend, *, purpose: str) -> Iterator[WriterLease]:
     """Hold the lease of ``store`` for the duration of a block (a one-off deleting command)."""
     lease = WriterLease(store, purpose=purpose)
     lease.acquire(replace_own=False)
@@ -731,13 +709,13 @@ def holding(store: Store, *, purpose: str) -> Iterator[WriterLease]:
         store.writer_check = None
 
 
-def current_holder(store: Store) -> Holder | None:
+def current_holder(store: Backend) -> Holder | None:
     """The holder a folder's lease file names, stale or not (``None`` when there is none)."""
     raw = store.read_small(LEASE_NAME)
     return None if raw is None else Holder.parse(raw)
 
 
-def live_holder(store: Store, now: float | None = None) -> Holder | None:
+def live_holder(store: Backend, now: float | None = None) -> Holder | None:
     """The live writer that holds the lease of ``store``, judged as a writer taking the lease
     would judge it (on this machine: its process still runs; from another: renewed within
     the lease's expiry, or dated ahead of this machine's clock); ``None`` when no lease is

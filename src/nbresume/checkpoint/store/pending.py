@@ -39,7 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
-from nbresume.checkpoint.backends import READ_CHUNK, Store
+from nbresume.checkpoint.backends import READ_CHUNK, Backend
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_JSON_BYTES,
@@ -73,7 +73,7 @@ class Owner(Protocol):
     """What a pending checkpoint uses of the store that started it
     (:class:`~nbresume.checkpoint.store.CheckpointStore`)."""
 
-    backend: Store
+    backend: Backend
     #: Whether manifests record MD5s too.
     md5: bool
     #: The hash of the store's choice (``None``: the default).
@@ -116,7 +116,7 @@ class PendingCheckpoint:
         #: The name of the pending folder in the store (hidden until the commit on POSIX).
         self.folder = folder
         self._owner = owner
-        self._backend: Store = owner.backend
+        self._backend: Backend = owner.backend
         #: The store's retention, run after the commit (the coordinator's only).
         self._retention = retain
         self._coordinator = coordinator
@@ -154,6 +154,8 @@ class PendingCheckpoint:
             if owner.check_space and size is not None:
                 check_space(owner, needed, inodes)
             folder = owner.backend.begin(step_dirname(step))
+        except StorageError:
+            raise  # the store's own error already says where and what to do
         except OSError as exc:
             # Cleaning up, and creating the folder, fail too on a full or failing disk.
             raise storage_error(owner, exc, needed, inodes) from exc
@@ -371,6 +373,8 @@ class PendingCheckpoint:
             return
         try:
             self._retention()  # the removal of the files goes on after
+        except StorageError:
+            raise  # the store's own error (a network store refused): said as it is
         except OSError as exc:
             # The checkpoint is saved and verified; failing the save now would report a saved
             # checkpoint as lost. The old one stays until the next save's retention.
@@ -409,6 +413,9 @@ class PendingCheckpoint:
         inodes = files + (0 if counted else len(self._entries)) + 2
         try:
             yield
+        except StorageError:
+            self.discard()
+            raise  # the store's own error already says where and what to do
         except OSError as exc:
             self.discard()
             raise storage_error(self._owner, exc, needed, inodes) from exc

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from nbresume.checkpoint.backends import (
     READ_CHUNK,
-    Store,
+    Backend,
     handle_size,
     read_into,
     replaced_step,
@@ -47,6 +47,7 @@ from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     MAX_JSON_BYTES,
     MAX_MANIFEST_BYTES,
+    STATE_FILE,
     FileEntry,
     Manifest,
     lightning_format,
@@ -73,10 +74,15 @@ from nbresume.checkpoint.store.info import LoadedCheckpoint, VerifyResult
 from nbresume.checkpoint.store.memory import is_out_of_memory, memory_error
 from nbresume.checkpoint.store.streaming import Span, Streamed, fill_all
 from nbresume.checkpoint.store.verdict import check_checkpoint, check_loaded
-from nbresume.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from nbresume.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+)
 
 
-def checkpoint_folders(store: Store) -> list[tuple[int, str]]:
+def checkpoint_folders(store: Backend) -> list[tuple[int, str]]:
     """(step, name) of every folder named like a checkpoint, newest first.
 
     A writer killed while replacing a step can leave the older copy moved aside and no
@@ -96,7 +102,7 @@ def checkpoint_folders(store: Store) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def read_manifest(store: Store, name: str, step: int) -> Manifest:
+def read_manifest(store: Backend, name: str, step: int) -> Manifest:
     where = store.child(name, MANIFEST_NAME)
     try:
         raw = store.read_bytes(name, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
@@ -104,6 +110,8 @@ def read_manifest(store: Store, name: str, step: int) -> Manifest:
         raise CorruptCheckpointError(
             "no manifest: the checkpoint was never committed", where=store.child(name)
         ) from None
+    except StorageError:
+        raise  # the store failed, not the checkpoint
     except OSError as exc:
         if exc.errno == errno.EINVAL:  # a FIFO, a link or a folder: never opened
             raise CorruptCheckpointError(
@@ -114,7 +122,7 @@ def read_manifest(store: Store, name: str, step: int) -> Manifest:
 
 
 def verify_folder(
-    store: Store,
+    store: Backend,
     name: str,
     expected_manifest: bytes | None = None,
     written: Mapping[str, Sequence[Buffer]] | None = None,
@@ -150,6 +158,8 @@ def verify_folder(
             check_contents(store, name, manifest, heads)
     except CorruptCheckpointError as exc:
         return VerifyResult(name, step, location, ok=False, problem=str(exc))
+    except StorageError:
+        raise  # the store failed, not the checkpoint
     except FileNotFoundError as exc:
         return VerifyResult(
             name, step, location, ok=False, problem=f"missing file: {exc.filename or exc}"
@@ -168,12 +178,12 @@ def read_failure(exc: BaseException, where: str) -> BaseException:
     else is raised as it is."""
     if is_out_of_memory(exc):
         return memory_error(exc, doing="reading the checkpoint", where=where)
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) and not isinstance(exc, StorageError):
         return CorruptCheckpointError(f"cannot read the file: {exc}", where=where)
     return exc
 
 
-def check_stored_size(store: Store, name: str, file_name: str, entry: FileEntry) -> None:
+def check_stored_size(store: Backend, name: str, file_name: str, entry: FileEntry) -> None:
     """The file is there, a regular file of the manifest's size (nothing of it is read)."""
     where = store.child(name, file_name)
     with store.open_read(name, file_name) as handle:
@@ -184,7 +194,7 @@ def check_stored_size(store: Store, name: str, file_name: str, entry: FileEntry)
 
 
 def compare_file(
-    store: Store,
+    store: Backend,
     name: str,
     file_name: str,
     entry: FileEntry,
@@ -215,7 +225,7 @@ def compare_file(
     check_size(where, entry, size)
 
 
-def hash_file(store: Store, name: str, file_name: str, entry: FileEntry) -> bytes:
+def hash_file(store: Backend, name: str, file_name: str, entry: FileEntry) -> bytes:
     """Read a file back and check its size and hashes against ``entry``: each piece is
     hashed in a thread while the next one is read. Returns the bytes that its contents
     check needs (the header of a safetensors file, all of a JSON file), kept as read."""
@@ -252,7 +262,9 @@ def hash_file(store: Store, name: str, file_name: str, entry: FileEntry) -> byte
     return bytes(head.data)
 
 
-def check_contents(store: Store, name: str, manifest: Manifest, heads: Mapping[str, bytes]) -> None:
+def check_contents(
+    store: Backend, name: str, manifest: Manifest, heads: Mapping[str, bytes]
+) -> None:
     """Check what a load would parse, from the heads :meth:`_hash_file` kept: every
     safetensors header against its file's size, every JSON file, and a Checkpointer's
     ``state.json`` with every tensor it refers to."""
@@ -282,7 +294,7 @@ def check_contents(store: Store, name: str, manifest: Manifest, heads: Mapping[s
 
 
 def read_verified(
-    store: Store,
+    store: Backend,
     name: str,
     files: Mapping[str, FileEntry],
     devices: Mapping[str, Any] | None = None,
@@ -543,7 +555,7 @@ def read_checked_head(
     return size, True
 
 
-def has_manifest(store: Store, name: str) -> bool:
+def has_manifest(store: Backend, name: str) -> bool:
     """Whether the folder holds anything named ``manifest.json``. One that is not a
     regular file (a FIFO, a link, a folder) makes a broken checkpoint, never a save that
     did not commit: it is reported, not passed over in silence (and never opened)."""
@@ -560,13 +572,14 @@ def has_manifest(store: Store, name: str) -> bool:
         return MANIFEST_NAME in store.list_files(name)
     except FileNotFoundError:
         return False
+    except StorageError:
+        raise  # the store failed: said, not guessed
     except OSError:
         return True  # cannot tell: report the folder rather than pass over it in silence
 
 
-#: The Checkpointer's state document (``state.json``), checked by load and verify alike,
-#: and its generator states (``rng.safetensors``).
-STATE_FILE = "state"
+#: A Checkpointer's generator states (``rng.safetensors``), checked by load and verify alike
+#: with its state document (``state.json``).
 RNG_FILE = "rng"
 
 
@@ -625,7 +638,7 @@ class Unfit(Exception):
 
 
 def load_folder(
-    store: Store,
+    store: Backend,
     step: int,
     name: str,
     framework: str,
@@ -662,7 +675,7 @@ def load_folder(
 
 
 def _load_folder(
-    store: Store,
+    store: Backend,
     step: int,
     name: str,
     framework: str,
@@ -715,7 +728,7 @@ def _load_folder(
     return loaded
 
 
-def read_specs(store: Store, name: str, file_name: str, entry: FileEntry) -> SpecsOnly:
+def read_specs(store: Backend, name: str, file_name: str, entry: FileEntry) -> SpecsOnly:
     """The header of the tensor file ``file_name`` (checked against the size the manifest
     records, as a load checks it), read alone: only its first bytes are read."""
     where = store.child(name, file_name)
@@ -748,7 +761,7 @@ class Decoded(dict[str, Any]):
 
 
 def decode_files(
-    store: Store,
+    store: Backend,
     name: str,
     buffers: Mapping[str, Any],
     loaded: LoadedCheckpoint,

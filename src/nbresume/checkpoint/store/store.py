@@ -53,7 +53,7 @@ from nbresume.checkpoint.arguments import (
     check_keep_best,
     check_storage_options,
 )
-from nbresume.checkpoint.backends import Store, check_location, open_store, wait_for_removals
+from nbresume.checkpoint.backends import Backend, check_location, open_store, wait_for_removals
 from nbresume.checkpoint.format import FileEntry, Manifest
 from nbresume.checkpoint.store import reading
 from nbresume.checkpoint.store.hashing import default_hash, read_header
@@ -92,7 +92,7 @@ class CheckpointStore:
 
     def __init__(
         self,
-        location: str | os.PathLike[str] | Store,
+        location: str | os.PathLike[str] | Backend,
         *,
         keep: int | None = 3,
         keep_best: KeepBest | None = None,
@@ -110,7 +110,7 @@ class CheckpointStore:
         #: The hash asked for (``None``: :func:`nbresume.checkpoint.store.default_hash`).
         self.hash = None if hash is None else default_hash(hash)
         storage_options = check_storage_options(call, storage_options)
-        if isinstance(location, Store):
+        if isinstance(location, Backend):
             self.backend = location
         else:
             check_location(location, call, "location")

@@ -34,11 +34,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from nbresume.checkpoint.backends import READ_CHUNK, Store, read_into
+from nbresume.checkpoint.backends import READ_CHUNK, Backend, read_into
 from nbresume.checkpoint.format import FileEntry, TensorSpec, tensorfile
 from nbresume.checkpoint.store.hashing import THREAD_MIN_BYTES, Digests, check_hashes, new_buffer
 from nbresume.checkpoint.store.memory import is_out_of_memory, memory_error
-from nbresume.errors import CorruptCheckpointError
+from nbresume.errors import CorruptCheckpointError, StorageError
 
 #: The small buffers the bytes that are only hashed go through (each :data:`READ_CHUNK`).
 SCRATCH_BUFFERS = 3
@@ -117,7 +117,7 @@ class Streamed:
     their byte range in the file's data area); its other tensors are read into memory of
     their own by :meth:`check`."""
 
-    store: Store
+    store: Backend
     folder: str
     file_name: str
     entry: FileEntry
@@ -199,6 +199,8 @@ class Streamed:
                         size += 1  # more bytes than the manifest says
             except FileNotFoundError:
                 raise CorruptCheckpointError("the file is missing", where=self.where) from None
+            except StorageError:
+                raise  # the store failed, not the checkpoint
             except OSError as exc:
                 if is_out_of_memory(exc):
                     raise memory_error(
