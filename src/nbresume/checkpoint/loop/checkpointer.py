@@ -34,7 +34,7 @@ from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import hooks
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
 from nbresume.checkpoint.format import flatten, parse_step_dirname
-from nbresume.checkpoint.loop.control import BoundaryFlags, ControlledLoop, LoopControl
+from nbresume.checkpoint.loop.control import ControlledLoop, LoopControl
 from nbresume.checkpoint.loop.durability import Confirmation, confirm
 from nbresume.checkpoint.loop.epochloop import Epochs, LoopSteps
 from nbresume.checkpoint.loop.keywords import (
@@ -419,8 +419,7 @@ class Checkpointer(ControlledLoop):
 
     def _metrics(self, metric: float | Mapping[str, float] | None) -> dict[str, float]:
         """``save(metric=)`` as ``{name: number}``: one number is named by ``keep_best``."""
-        name = self.store.keep_best[0] if self.store.keep_best else "metric"
-        return check_metric("Checkpointer.save", metric, name)
+        return check_metric("Checkpointer.save", metric, self.store.retention.metric_name)
 
     def _capture(
         self,
@@ -578,30 +577,24 @@ class Checkpointer(ControlledLoop):
             return False  # the final save is blocking: it retries an earlier failure itself
         strategy = self._strategy()
         control = self.control
-        reason = control.why_stop(self.step)
-        flags = control.agree(
-            BoundaryFlags(
-                stop=bool(reason),
-                signum=control.signum or 0,
-                save=control.save_asked,
-                due=strategy.leads and control.due(self.step),
-                failed=self._saver.background.failed,
-            ),
+        decision = control.decide(
+            self.step,
             strategy.agree,
+            on_cadence=strategy.leads,
+            failed=self._saver.background.failed,
         )
         # A background save failed: say so now, not after `every` more steps of training that
         # could not be saved. A stop goes first: its blocking save() tries again.
-        if flags.failed and not flags.stop:
+        if decision.failed and not decision.stop:
             strategy.raise_background_error()
-        if flags.stop:
-            control.stop_reason = control.reason_of(flags, reason)
+        if decision.stop:
+            control.stop_reason = decision.stop
             self.save(block=True)
-            control.stopped(self.step, control.stop_reason)
-            if flags.signum:
-                control.end_for_signal(flags.signum, self.step, leads=strategy.leads)
+            control.stopped(self.step, decision.stop)
+            if decision.signum:
+                control.end_for_signal(decision.signum, self.step, leads=strategy.leads)
             return True
-        if flags.save or flags.due:
-            control.save_asked = False
+        if decision.save:
             self.save()
         return False
 
