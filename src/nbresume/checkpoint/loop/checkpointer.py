@@ -50,11 +50,13 @@ from nbresume.checkpoint.state import (
     GeneratorState,
     ResumableLoader,
     Snapshot,
+    Stateful,
     TrainableOnly,
     capture,
     determinism,
     health,
     is_generator,
+    is_stateful,
     optimizer_extras,
     restoring,
     unwrap,
@@ -152,7 +154,7 @@ class Checkpointer(ControlledLoop):
         self._saver = Saver(self.store, control.events, control.cadence, control.durability)
         #: How saves, restores and step boundaries run; chosen at the first save or restore.
         self._chosen: Strategy | None = None
-        self._objects: dict[str, Any] = {}
+        self._objects: dict[str, Stateful] = {}
         #: Which registered optimizers stepped in the running step (pending gradients).
         self._step_watch = optimizer_extras.StepWatch()
         #: The loop of epochs(), and what the wrapped loaders tell it.
@@ -234,7 +236,7 @@ class Checkpointer(ControlledLoop):
         if optimizer_extras.is_optimizer(value):
             self._step_watch.watch(value)
             self._initial_groups.setdefault(id(value), len(value.param_groups))
-        if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+        if is_stateful(value):
             self._objects[name] = value
             if isinstance(value, ResumableLoader):
                 value.epoch_loop = None
@@ -791,7 +793,7 @@ class StrategyHost:
         store: CheckpointStore,
         saver: Saver,
         counters: Checkpointer,
-        objects: Mapping[str, Any],
+        objects: Mapping[str, Stateful],
         capture: Callable[..., Snapshot],
         mark_saved: Callable[[int], None],
         apply_plan: Callable[[restoring.RestorePlan], None],
