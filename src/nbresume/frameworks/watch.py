@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.loop import (
-    BoundaryFlags,
     ControlledLoop,
     DurabilityWatcher,
     LoopControl,
@@ -158,16 +157,11 @@ class Watch(ControlledLoop):
         every step boundary: the ranks combine their requests in one small ``all_reduce``, so
         that a signal, a deadline or a request seen by any rank stops every rank at this same
         step. A rank stopped by another's signal ends as that signal asks (:meth:`finish`)."""
-        control = self.control
-        reason = self.stop_reason()
-        own = BoundaryFlags(
-            stop=bool(reason), signum=control.signum or 0, save=self.save_requested()
-        )
         group = self.group
-        agreed = control.agree(own, None if group is None else group.agree)
-        if agreed.stop:
-            reason = control.reason_of(agreed, reason)
-        return reason, agreed.save
+        decision = self.control.decide(
+            self.step, None if group is None else group.agree, on_cadence=False
+        )
+        return decision.stop, decision.save
 
     @property
     def leads(self) -> bool:

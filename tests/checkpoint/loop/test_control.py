@@ -13,7 +13,7 @@ import torch
 
 import nbresume
 from nbresume.checkpoint import hooks
-from nbresume.checkpoint.loop import BoundaryFlags, LoopControl, RunningLoop
+from nbresume.checkpoint.loop import BoundaryFlags, Decision, LoopControl, RunningLoop
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.frameworks.watch import Watch
 
@@ -123,3 +123,56 @@ def test_the_panel_reads_a_checkpointer_and_a_framework_watch_alike(tmp_path: Pa
     finally:
         ckpt.close()
         watch.close()
+
+
+# -- the step boundary's decision: save, stop, or go on -----------------------------------------
+
+
+def test_every_one_saves_at_every_boundary_and_counts_from_the_last_save(tmp_path: Path) -> None:
+    control = LoopControl(CheckpointStore(tmp_path / "run"), every=1, deadline=None)
+    control.begin(0)
+    assert control.decide(1, None, on_cadence=True) == Decision(save=True)
+    control.saved(1)
+    assert control.decide(1, None, on_cadence=True) == Decision()  # step 1 is saved
+    assert control.decide(2, None, on_cadence=True) == Decision(save=True)
+    # A process whose clock does not lead the job (or a framework's loop) leaves the cadence
+    # to the leading one.
+    assert control.decide(2, None, on_cadence=False) == Decision()
+
+
+def test_a_save_request_is_answered_once(tmp_path: Path) -> None:
+    control = LoopControl(CheckpointStore(tmp_path / "run"), every=None, deadline=None)
+    control.begin(0)
+    control.request_save()
+    assert control.decide(4, None, on_cadence=True) == Decision(save=True)
+    assert control.decide(5, None, on_cadence=True) == Decision()
+    # A stop's save answers a save request made at the same boundary.
+    control.request_save()
+    control.request_stop("enough")
+    assert control.decide(6, None, on_cadence=True) == Decision(stop="enough", save=True)
+    assert not control.take_save_request()
+
+
+def test_another_processs_signal_and_failure_are_this_ones(tmp_path: Path) -> None:
+    control = LoopControl(CheckpointStore(tmp_path / "run"), every=None, deadline=None)
+    control.begin(0)
+    other = [1, int(signal.SIGTERM), 0, 0, 1]  # another process: stop on SIGTERM, save failed
+
+    def agree(flags: Sequence[int]) -> list[int]:
+        return [max(a, b) for a, b in zip(flags, other, strict=True)]
+
+    assert control.decide(3, agree, on_cadence=True) == Decision(
+        stop="another process of the job received SIGTERM",
+        signum=signal.SIGTERM,
+        failed=True,
+    )
+    assert control.signum == signal.SIGTERM
+
+
+def test_a_typed_cadence_that_could_mean_steps_or_seconds_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(nbresume.ArgumentError, match="could mean steps or seconds") as raised:
+        nbresume.Checkpointer(tmp_path / "run", every="5", model=torch.nn.Linear(2, 2))
+    assert raised.value.fix == 'every=5 for steps, every="5s" for seconds'
+    with pytest.raises(nbresume.ArgumentError, match="did you mean every="):
+        nbresume.Checkpointer(tmp_path / "run", evry=5, model=torch.nn.Linear(2, 2))
+    assert not (tmp_path / "run").exists()  # a refused call creates nothing

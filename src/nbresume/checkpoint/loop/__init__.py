@@ -18,6 +18,7 @@ from nbresume.checkpoint.loop.checkpointer import Checkpointer
 from nbresume.checkpoint.loop.control import (
     BoundaryFlags,
     ControlledLoop,
+    Decision,
     LoopControl,
     RunningLoop,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "Checkpointer",
     "Confirmation",
     "ControlledLoop",
+    "Decision",
     "DurabilityWatcher",
     "LoopControl",
     "RunningLoop",

@@ -34,7 +34,7 @@ from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import hooks
 from nbresume.checkpoint.arguments import check_bool, check_int, check_metric
 from nbresume.checkpoint.format import flatten, parse_step_dirname
-from nbresume.checkpoint.loop.control import BoundaryFlags, ControlledLoop, LoopControl
+from nbresume.checkpoint.loop.control import ControlledLoop, LoopControl
 from nbresume.checkpoint.loop.durability import Confirmation, confirm
 from nbresume.checkpoint.loop.epochloop import Epochs, LoopSteps
 from nbresume.checkpoint.loop.keywords import (
@@ -50,11 +50,13 @@ from nbresume.checkpoint.state import (
     GeneratorState,
     ResumableLoader,
     Snapshot,
+    Stateful,
     TrainableOnly,
     capture,
     determinism,
     health,
     is_generator,
+    is_stateful,
     optimizer_extras,
     restoring,
     unwrap,
@@ -152,7 +154,7 @@ class Checkpointer(ControlledLoop):
         self._saver = Saver(self.store, control.events, control.cadence, control.durability)
         #: How saves, restores and step boundaries run; chosen at the first save or restore.
         self._chosen: Strategy | None = None
-        self._objects: dict[str, Any] = {}
+        self._objects: dict[str, Stateful] = {}
         #: Which registered optimizers stepped in the running step (pending gradients).
         self._step_watch = optimizer_extras.StepWatch()
         #: The loop of epochs(), and what the wrapped loaders tell it.
@@ -234,7 +236,7 @@ class Checkpointer(ControlledLoop):
         if optimizer_extras.is_optimizer(value):
             self._step_watch.watch(value)
             self._initial_groups.setdefault(id(value), len(value.param_groups))
-        if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+        if is_stateful(value):
             self._objects[name] = value
             if isinstance(value, ResumableLoader):
                 value.epoch_loop = None
@@ -419,8 +421,7 @@ class Checkpointer(ControlledLoop):
 
     def _metrics(self, metric: float | Mapping[str, float] | None) -> dict[str, float]:
         """``save(metric=)`` as ``{name: number}``: one number is named by ``keep_best``."""
-        name = self.store.keep_best[0] if self.store.keep_best else "metric"
-        return check_metric("Checkpointer.save", metric, name)
+        return check_metric("Checkpointer.save", metric, self.store.retention.metric_name)
 
     def _capture(
         self,
@@ -578,30 +579,24 @@ class Checkpointer(ControlledLoop):
             return False  # the final save is blocking: it retries an earlier failure itself
         strategy = self._strategy()
         control = self.control
-        reason = control.why_stop(self.step)
-        flags = control.agree(
-            BoundaryFlags(
-                stop=bool(reason),
-                signum=control.signum or 0,
-                save=control.save_asked,
-                due=strategy.leads and control.due(self.step),
-                failed=self._saver.background.failed,
-            ),
+        decision = control.decide(
+            self.step,
             strategy.agree,
+            on_cadence=strategy.leads,
+            failed=self._saver.background.failed,
         )
         # A background save failed: say so now, not after `every` more steps of training that
         # could not be saved. A stop goes first: its blocking save() tries again.
-        if flags.failed and not flags.stop:
+        if decision.failed and not decision.stop:
             strategy.raise_background_error()
-        if flags.stop:
-            control.stop_reason = control.reason_of(flags, reason)
+        if decision.stop:
+            control.stop_reason = decision.stop
             self.save(block=True)
-            control.stopped(self.step, control.stop_reason)
-            if flags.signum:
-                control.end_for_signal(flags.signum, self.step, leads=strategy.leads)
+            control.stopped(self.step, decision.stop)
+            if decision.signum:
+                control.end_for_signal(decision.signum, self.step, leads=strategy.leads)
             return True
-        if flags.save or flags.due:
-            control.save_asked = False
+        if decision.save:
             self.save()
         return False
 
@@ -798,7 +793,7 @@ class StrategyHost:
         store: CheckpointStore,
         saver: Saver,
         counters: Checkpointer,
-        objects: Mapping[str, Any],
+        objects: Mapping[str, Stateful],
         capture: Callable[..., Snapshot],
         mark_saved: Callable[[int], None],
         apply_plan: Callable[[restoring.RestorePlan], None],

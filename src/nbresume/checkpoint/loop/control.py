@@ -73,6 +73,20 @@ class BoundaryFlags:
         return BoundaryFlags(bool(stop), int(signum), bool(save), bool(due), bool(failed))
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the loop does at a step boundary, agreed over the job (:meth:`LoopControl.decide`)."""
+
+    #: Save and stop, for this reason (``""``: go on).
+    stop: str = ""
+    #: The stop signal of the job (0: none): once saved, every process ends as it asks.
+    signum: int = 0
+    #: Save here and go on (asked for, or due on the cadence).
+    save: bool = False
+    #: A background save failed (in any process of the job).
+    failed: bool = False
+
+
 @dataclass
 class LoopExit:
     """How the running loop may be left: a body left by ``break`` is the run's end, one left
@@ -234,6 +248,31 @@ class LoopControl:
         """Whether the cadence asks for a save at ``step``."""
         return self.cadence.due(step - (self.saved_step or 0), time.monotonic() - self.saved_at)
 
+    def decide(
+        self, step: int, agree: Agree | None, *, on_cadence: bool, failed: bool = False
+    ) -> Decision:
+        """At the step boundary after ``step`` steps: whether to save, and whether to stop,
+        agreed over the job (``agree``; ``None`` with one process). A save request is
+        answered here. With ``on_cadence`` this process's cadence counts (the leading
+        process's, whose clock measures the saves); ``failed``: a background save failed."""
+        reason = self.why_stop(step)
+        flags = self.agree(
+            BoundaryFlags(
+                stop=bool(reason),
+                signum=self.signum or 0,
+                save=self.take_save_request(),
+                due=on_cadence and self.due(step),
+                failed=failed,
+            ),
+            agree,
+        )
+        return Decision(
+            stop=self.reason_of(flags, reason) if flags.stop else "",
+            signum=flags.signum,
+            save=flags.save or flags.due,
+            failed=flags.failed,
+        )
+
     def agree(self, flags: BoundaryFlags, agree: Agree | None) -> BoundaryFlags:
         """``flags`` agreed over the job; a signal another process received becomes this
         one's, and a stop this one did not ask for gets its reason."""
@@ -375,4 +414,11 @@ class RunningLoop(Protocol):
     def latest(self) -> CheckpointInfo | None: ...
 
 
-__all__ = ["Agree", "BoundaryFlags", "ControlledLoop", "LoopControl", "RunningLoop"]
+__all__ = [
+    "Agree",
+    "BoundaryFlags",
+    "ControlledLoop",
+    "Decision",
+    "LoopControl",
+    "RunningLoop",
+]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nbresume.checkpoint.state import ResumableLoader
+from nbresume.checkpoint.state import ResumableLoader, Stateful
 from nbresume.errors import UsageError
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class LoopSteps:
     """The steps of a loop that the Checkpointer runs for the epoch loop, and what it owns."""
 
     #: The registered stateful objects, by name (the wrapped loaders among them).
-    objects: dict[str, Any]
+    objects: dict[str, Stateful]
     #: Which registered optimizers stepped in the running step.
     step_watch: StepWatch
     #: Hold the folder's writer lease before the first step.

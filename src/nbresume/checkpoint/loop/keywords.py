@@ -34,6 +34,7 @@ from nbresume.checkpoint.state import (
     STATE_FILE,
     VALUES_GROUP,
     is_generator,
+    is_stateful,
 )
 from nbresume.errors import UsageError
 
@@ -92,7 +93,7 @@ def _check_state_keyword(name: str, value: Any, options: Collection[str]) -> Non
     check_name(name)
     if is_dataloader(value) or is_generator(value):
         return
-    if not isinstance(value, type) and _is_stateful(value):
+    if not isinstance(value, type) and is_stateful(value):
         return
     shown = show(value)
     close = difflib.get_close_matches(name, list(options), n=1)
@@ -105,7 +106,7 @@ def _check_state_keyword(name: str, value: Any, options: Collection[str]) -> Non
             f"spell the option {close[0]}=; to save a plain value named {name!r} with the "
             f"checkpoints, set ckpt[{name!r}] = {shown} after creating the Checkpointer",
         )
-    if isinstance(value, type) and _is_stateful(value):
+    if isinstance(value, type) and is_stateful(value):
         raise refused(
             "Checkpointer",
             name,
@@ -131,12 +132,6 @@ def _check_state_keyword(name: str, value: Any, options: Collection[str]) -> Non
         "set a plain value after creating the Checkpointer: "
         f"ckpt[{name!r}] = {shown if not shown.startswith('<') else name}; an object of "
         "your own gets state_dict() and load_state_dict() methods",
-    )
-
-
-def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
     )
 
 

@@ -44,6 +44,7 @@ from nbresume.checkpoint.state import (
     DoesNotFit,
     ResumableLoader,
     Snapshot,
+    Stateful,
     optimizer_extras,
     restoring,
 )
@@ -64,7 +65,7 @@ class Host(Protocol):
     def step(self) -> int: ...
 
     @property
-    def objects(self) -> Mapping[str, Any]: ...
+    def objects(self) -> Mapping[str, Stateful]: ...
 
     def wrapped_loaders(self) -> list[ResumableLoader]: ...
 

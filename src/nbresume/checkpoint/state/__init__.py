@@ -4,6 +4,7 @@ Above :mod:`~nbresume.checkpoint.store`: :mod:`.snapshot` (capture and host copi
 :mod:`.restoring` (the restore's plan, checked before anything changes, then applied),
 :mod:`.generators` (the user's own random generators), :mod:`.optimizer_extras` (what an
 optimizer's state_dict leaves out: pending gradients, parameter groups added in training),
+:mod:`.stateful` (what a saved object has: ``state_dict()``, ``load_state_dict()``),
 :mod:`.trainable` (trainable-only state), :mod:`.data` (the resumable loader and its exact data
 position), :mod:`.health` (out of memory, data wait) and :mod:`.determinism` (bit-exact
 continuation on a GPU).
@@ -33,6 +34,7 @@ from nbresume.checkpoint.state.snapshot import (
     capture,
     tensor_bytes,
 )
+from nbresume.checkpoint.state.stateful import Stateful, is_stateful
 from nbresume.checkpoint.state.trainable import TrainableOnly, trainable_only
 from nbresume.errors import BaseMismatchError, DoesNotFit
 
@@ -52,6 +54,7 @@ __all__ = [
     "ResumableLoader",
     "Snapshot",
     "Stager",
+    "Stateful",
     "StepWatch",
     "TrainableOnly",
     "apply_determinism",
@@ -59,6 +62,7 @@ __all__ = [
     "data_wait_of",
     "describe_determinism",
     "is_generator",
+    "is_stateful",
     "sample_generator",
     "sample_seed",
     "tensor_bytes",

@@ -25,6 +25,7 @@ from nbresume import knobs
 from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.forksafe import Workers
 from nbresume.checkpoint.format import STATE_VERSION, capture_rng, flatten
+from nbresume.checkpoint.state.stateful import Stateful
 
 log = logging.getLogger("nbresume")
 
@@ -322,7 +323,7 @@ def capture(
     epoch: int,
     metrics: dict[str, float],
     *,
-    objects: Mapping[str, Any],
+    objects: Mapping[str, Stateful],
     pending: Mapping[str, Any],
     values: Mapping[str, Any],
     total: int | None,

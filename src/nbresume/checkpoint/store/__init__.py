@@ -4,9 +4,9 @@ Above :mod:`~nbresume.checkpoint.format` and :mod:`~nbresume.checkpoint.backends
 :mod:`.pending` (a checkpoint being written, and its commit), :mod:`.hashing` (files written
 and read while they are hashed), :mod:`.reading` (verified reads, verification and the reading
 policy), :mod:`.verdict` (whether a checkpoint is complete and consistent, for every reader),
-:mod:`.info` (what the store reports), :mod:`.store` (:class:`CheckpointStore`:
-retention, the newest checkpoint that verifies), :mod:`.lease` (the writer
-lease and its holder).
+:mod:`.info` (what the store reports), :mod:`.retention` (which checkpoints are kept),
+:mod:`.store` (:class:`CheckpointStore`: retention, the newest checkpoint that verifies),
+:mod:`.lease` (the writer lease and its holder).
 
 This package is the layer's API: the names below are what the rest of the package imports.
 """
@@ -46,7 +46,8 @@ from nbresume.checkpoint.store.reading import (
     parse_json,
     verify_folder,
 )
-from nbresume.checkpoint.store.store import CheckpointStore, KeepBest, verify
+from nbresume.checkpoint.store.retention import KeepBest, KeepPolicy
+from nbresume.checkpoint.store.store import CheckpointStore, verify
 from nbresume.checkpoint.store.verdict import check_checkpoint, check_loaded
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "Digests",
     "Holder",
     "KeepBest",
+    "KeepPolicy",
     "LoadedCheckpoint",
     "PendingCheckpoint",
     "VerifyReport",

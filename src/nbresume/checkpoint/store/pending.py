@@ -78,8 +78,10 @@ class Owner(Protocol):
     md5: bool
     #: The hash of the store's choice (``None``: the default).
     hash: str | None
-    keep: int | None
     check_space: bool
+
+    @property
+    def keep(self) -> int | None: ...
 
     @property
     def location(self) -> str: ...

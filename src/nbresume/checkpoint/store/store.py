@@ -47,12 +47,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from nbresume.checkpoint.arguments import (
-    check_bool,
-    check_keep,
-    check_keep_best,
-    check_storage_options,
-)
+from nbresume.checkpoint.arguments import check_bool, check_storage_options
 from nbresume.checkpoint.backends import Backend, check_location, open_store, wait_for_removals
 from nbresume.checkpoint.format import FileEntry, Manifest
 from nbresume.checkpoint.store import reading
@@ -65,11 +60,10 @@ from nbresume.checkpoint.store.info import (
 )
 from nbresume.checkpoint.store.pending import PendingCheckpoint, encode, size_of
 from nbresume.checkpoint.store.reading import verify_folder
+from nbresume.checkpoint.store.retention import KeepBest, KeepPolicy
 from nbresume.checkpoint.store.streaming import Span
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CheckpointError, CorruptCheckpointError
-
-KeepBest = tuple[str, str] | tuple[str, str, int]
 
 
 class CheckpointStore:
@@ -103,8 +97,8 @@ class CheckpointStore:
     ) -> None:
         # Every argument is checked before the store is opened.
         call = "CheckpointStore"
-        self.keep = check_keep(call, keep)
-        self.keep_best = _check_keep_best(keep_best, call)
+        #: Which checkpoints retention keeps (``keep=``, ``keep_best=``).
+        self.retention = KeepPolicy.of(call, keep, keep_best)
         md5 = check_bool(call, "md5", md5)
         self.check_space = check_bool(call, "check_space", check_space)
         #: The hash asked for (``None``: :func:`nbresume.checkpoint.store.default_hash`).
@@ -122,6 +116,16 @@ class CheckpointStore:
     @property
     def location(self) -> str:
         return self.backend.location
+
+    @property
+    def keep(self) -> int | None:
+        """How many of the newest checkpoints retention keeps (``None``: all)."""
+        return self.retention.newest
+
+    @property
+    def keep_best(self) -> tuple[str, str, int] | None:
+        """``(metric, mode, count)`` of ``keep_best=`` (count 0: as many as ``keep``)."""
+        return self.retention.keep_best
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.location!r}, keep={self.keep})"
@@ -347,54 +351,20 @@ class CheckpointStore:
     ) -> builtins.list[int]:
         """:meth:`prune`, returning once the deleted checkpoints are out of view (on a local
         folder their files are still being removed, in the background)."""
-        keep = self.keep if keep is None else check_keep("CheckpointStore.prune", keep)
-        best = (
-            self.keep_best
-            if keep_best is None
-            else _check_keep_best(keep_best, "CheckpointStore.prune")
-        )
+        policy = self.retention.but("CheckpointStore.prune", keep, keep_best)
         verify_kept = check_bool("CheckpointStore.prune", "verify_kept", verify_kept)
-        if keep is None:
-            return []
+
+        def counts(info: CheckpointInfo) -> bool:
+            ok = not verify_kept or verify_folder(self.backend, info.name).ok
+            # Behind a write-back cache (Drive's mount) only what the durable store itself
+            # confirmed counts as kept: else a disconnect could leave no checkpoint at all.
+            if ok and self.backend.write_back:
+                ok = self.backend.durability(info.name, info.manifest).saved
+            return ok
+
         infos = [i for i in self.list() if i.step not in self.protected]  # oldest first
-        verdicts: dict[str, bool] = {}
-
-        def verified(info: CheckpointInfo) -> bool:
-            if info.name not in verdicts:
-                ok = not verify_kept or verify_folder(self.backend, info.name).ok
-                # Behind a write-back cache (Drive's mount) only what the durable store itself
-                # confirmed counts as kept: else a disconnect could leave no checkpoint at all.
-                if ok and self.backend.write_back:
-                    ok = self.backend.durability(info.name, info.manifest).saved
-                verdicts[info.name] = ok
-            return verdicts[info.name]
-
-        kept: list[CheckpointInfo] = []
-        for info in reversed(infos):
-            if len(kept) == keep:
-                break
-            if verified(info):
-                kept.append(info)
-        if best is not None:
-            metric, mode, count = best
-            ranked = sorted(
-                (i for i in infos if metric in i.metrics),
-                key=lambda i: i.metrics[metric],
-                reverse=(mode == "max"),
-            )
-            kept += [i for i in ranked if verified(i)][: count or keep]
-        kept_names = {i.name for i in kept}
-        newest_kept = max((i.step for i in kept), default=-1)
         deleted = []
-        for info in infos:
-            # Never delete what is newer than every kept checkpoint, nor a checkpoint that
-            # failed verification (it is reported by verify(), and left for the user to inspect).
-            if (
-                info.name in kept_names
-                or info.step >= newest_kept
-                or not verdicts.get(info.name, True)
-            ):
-                continue
+        for info in policy.doomed(infos, counts):
             self.backend.delete(info.name)
             deleted.append(info.step)
         return deleted
@@ -409,14 +379,6 @@ class CheckpointStore:
         this process. It waits for every such removal this process started.
         """
         wait_for_removals()
-
-
-def _check_keep_best(
-    keep_best: object, call: str = "CheckpointStore"
-) -> tuple[str, str, int] | None:
-    """``(metric, mode, count)``, count 0 where not given (``keep`` applies); raises
-    ArgumentError naming the value."""
-    return check_keep_best(call, keep_best)
 
 
 def verify(
