@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import itertools
 import sys
 from collections.abc import Callable, Sequence
@@ -146,7 +147,7 @@ def _check_metric(store: Any, metric: str, where: str) -> None:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import os
 
-    from nbresume.preflight import preflight, terminal_width
+    from nbresume.preflight_checks import preflight, terminal_width
 
     report = preflight(
         args.accelerator,
@@ -402,53 +403,51 @@ def _cmd_chain(args: argparse.Namespace) -> int:
     )
 
 
-def _kaggle_ref(text: str) -> str:
-    from nbresume.kaggle.metadata import parse_ref
+def _checked_by(
+    module: str, function: str, *, errors: type[Exception] = NbresumeError, keep_value: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: ``module.function`` checks the text (``module`` imported only then);
+    its error becomes argparse's message. The type's value is the text, or the function's
+    value where ``keep_value``."""
 
-    try:
-        parse_ref(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    def parse(text: str) -> Any:
+        check = getattr(importlib.import_module(module), function)
+        try:
+            value = check(text)
+        except errors as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value if keep_value else text
 
-
-def _kaggle_dataset(text: str) -> str:
-    from nbresume.kaggle.push import check_dataset_ref
-
-    try:
-        check_dataset_ref(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    return parse
 
 
-def _push_name(text: str) -> str:
-    from nbresume.kaggle.push import check_push_name
-
-    try:
-        return check_push_name(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _kaggle_accelerator(text: str) -> str:
-    from nbresume.kaggle.metadata import parse_accelerator
-
-    try:
-        parse_accelerator(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+_kaggle_ref = _checked_by("nbresume.kaggle.metadata", "parse_ref")
+_kaggle_dataset = _checked_by("nbresume.kaggle.push", "check_dataset_ref")
+_push_name = _checked_by("nbresume.kaggle.push", "check_push_name", keep_value=True)
+_kaggle_accelerator = _checked_by("nbresume.kaggle.metadata", "parse_accelerator")
+_accelerator = _checked_by("nbresume.preflight_checks", "parse_accelerator")
+_rate = _checked_by("nbresume.pull", "parse_rate", errors=ValueError, keep_value=True)
 
 
-def _poll_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 3600, got {value}")
-    return value
+def _seconds_to_hour(*, zero: bool) -> Callable[[str], float]:
+    """An argparse type: seconds up to an hour, more than 0 (or, where ``zero``, at least 0)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        above_low = value >= 0 if zero else value > 0
+        if not (above_low and value <= 3600):
+            low = "at least 0" if zero else "more than 0"
+            raise argparse.ArgumentTypeError(f"must be {low} and at most 3600, got {value}")
+        return value
+
+    return parse
+
+
+_poll_seconds = _seconds_to_hour(zero=False)
+_seconds = _seconds_to_hour(zero=True)
 
 
 def _add_chain_options(p: argparse.ArgumentParser) -> None:
@@ -856,35 +855,6 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 _positive_int = _int_at_least(1)
 _count = _int_at_least(0)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 3600 seconds, got {value}")
-    return value
-
-
-def _rate(text: str) -> float:
-    from nbresume.pull import parse_rate
-
-    try:
-        return parse_rate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _accelerator(text: str) -> str:
-    from nbresume.preflight import parse_accelerator
-
-    try:
-        parse_accelerator(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

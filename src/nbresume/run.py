@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from nbresume import knobs
 from nbresume.platforms import Platform, detect
 from nbresume.platforms.base import check_run_name
-from nbresume.preflight import (
+from nbresume.preflight_checks import (
     Report,
     check_durable,
     preflight,
@@ -39,7 +39,7 @@ class Run:
         name: the run's name (its durable folder's name).
         platform: the detected :class:`~nbresume.platforms.Platform`.
         dir: the durable folder, a path or an fsspec URL.
-        report: the preflight :class:`~nbresume.preflight.Report`.
+        report: the preflight :class:`~nbresume.preflight_checks.Report`.
         keep: how many checkpoints :meth:`checkpointer` keeps by default.
         seeded: the checkpoint copied in from an earlier run's output (Kaggle), if any.
     """

@@ -147,16 +147,15 @@ class Callback(TrainerCallback):
                 failed = error
         if group is not None:
             # A failed commit raises on every rank: none goes on alone into the next step.
-            (any_failed,) = group.agree([failed is not None])
-            if failed is not None:
-                raise failed
-            if any_failed:
-                raise CheckpointError(
+            group.raise_any(
+                failed,
+                CheckpointError(
                     f"another process of the job could not commit checkpoint-{step}",
                     where=str(args.output_dir),
                     fix="see that process's error; a rerun resumes from the newest "
                     "checkpoint that verifies",
-                )
+                ),
+            )
         if self.stop_reason:
             watch.stopping(step, self.stop_reason)
 

@@ -190,18 +190,17 @@ def _chosen(
 
 def _broken(store: CheckpointStore, listed: list[CheckpointInfo]) -> list[VerifyResult]:
     """Step folders with a manifest that does not parse, oldest first: checkpoints that
-    :meth:`CheckpointStore.list` leaves out, each with its problem."""
-    found = []
-    skip = {info.name for info in listed}
-    for step, name in reversed(store.checkpoint_folders()):
-        if name in skip or not store.has_manifest(name):
-            continue
-        try:
-            store.read_manifest(name, step)
-        except CorruptCheckpointError as exc:
-            problem = f"{exc.where}: {exc.message}" if exc.where else exc.message
-            found.append(VerifyResult(name, step, store.backend.child(name), False, problem))
-    return found
+    :meth:`CheckpointStore.list` leaves out, each with its problem (without the fix)."""
+    return [
+        VerifyResult(
+            name,
+            step,
+            store.backend.child(name),
+            False,
+            f"{exc.where}: {exc.message}" if exc.where else exc.message,
+        )
+        for step, name, exc in store.broken_manifests(listed)
+    ]
 
 
 def _refusal(

@@ -28,7 +28,7 @@ def load(shell: Any) -> None:
         st.tracker.set_run(run)
         report = run.report
     else:
-        from nbresume.preflight import preflight
+        from nbresume.preflight_checks import preflight
 
         report = preflight()
         st.tracker.set_report(report)

@@ -30,7 +30,7 @@ from nbresume.checkpoint.units import format_duration
 
 if TYPE_CHECKING:
     from nbresume.checkpoint.loop import RunningLoop
-    from nbresume.preflight import Check, Report
+    from nbresume.preflight_checks import Check, Report
     from nbresume.run import Run
 
 log = logging.getLogger("nbresume")
@@ -599,7 +599,7 @@ class Tracker:
                 with contextlib.suppress(Exception):
                     stop_at = ckpt.stop_at
             elif ckpt is None and deadline is not None:
-                from nbresume.preflight import STOP_MARGIN_S
+                from nbresume.preflight_checks import STOP_MARGIN_S
 
                 stop_at = deadline - STOP_MARGIN_S  # what deadline="auto" does, at the least
             return Snapshot(

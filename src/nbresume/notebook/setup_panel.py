@@ -34,7 +34,7 @@ from nbresume.errors import CorruptCheckpointError, UsageError
 if TYPE_CHECKING:
     from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
     from nbresume.platforms.base import Platform
-    from nbresume.preflight import Report
+    from nbresume.preflight_checks import Report
     from nbresume.run import Run
 
 log = logging.getLogger("nbresume")
