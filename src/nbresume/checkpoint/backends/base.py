@@ -50,6 +50,11 @@ MISSING = "missing"
 FAILED = "failed"
 
 
+#: Files another library wrote into a checkpoint folder, as ``{name: (size, MD5)}``, listed
+#: when asked (see :meth:`Backend.durability_with`).
+FileSums = Callable[[], Mapping[str, tuple[int, str]]]
+
+
 @dataclass(frozen=True)
 class Durability:
     """What the durable store holds of one checkpoint. Only ``state == "saved"`` is saved."""
@@ -218,12 +223,7 @@ class Backend(ABC):
         cache, what reads back is the durable copy itself: saved."""
         return Durability(SAVED)
 
-    def durability_with(
-        self,
-        folder: str,
-        manifest: Manifest,
-        more: Callable[[], Mapping[str, tuple[int, str]]],
-    ) -> Durability:
+    def durability_with(self, folder: str, manifest: Manifest, more: FileSums) -> Durability:
         """:meth:`durability`, where the durable copy must also hold files that the manifest
         does not name (another library's, in the same folder): ``more`` lists them as
         ``{name: (size, MD5)}``, and is called only by a store that compares each file (Google

@@ -22,7 +22,7 @@ import hashlib
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from nbresume.checkpoint.backends.base import (
     MISSING,
     REPLACED_PREFIX,
     Durability,
+    FileSums,
     syncing,
 )
 from nbresume.checkpoint.backends.local import LocalStore, remove_in_background
@@ -327,12 +328,7 @@ class DriveStore(LocalStore):
         """``saved`` only when Drive reports every file with the manifest's size and MD5."""
         return self.durability_with(folder, manifest, dict)
 
-    def durability_with(
-        self,
-        folder: str,
-        manifest: Manifest,
-        more: Callable[[], Mapping[str, tuple[int, str]]],
-    ) -> Durability:
+    def durability_with(self, folder: str, manifest: Manifest, more: FileSums) -> Durability:
         try:
             expected = self.expected(folder, manifest)
             expected.update(more())
