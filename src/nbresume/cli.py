@@ -16,14 +16,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from nbresume.checkpoint.backends import SCHEME_PACKAGES
+from nbresume import runner
+from nbresume.checkpoint.backends import SCHEME_PACKAGES, open_store
 from nbresume.checkpoint.format import created_time
+from nbresume.checkpoint.store import CheckpointStore, holding
+from nbresume.checkpoint.units import format_bytes, format_duration
+from nbresume.checkpoint.version import __version__
 from nbresume.errors import NbresumeError, StorageError, UsageError
+from nbresume.preflight_checks import preflight, terminal_width
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.checkpoint.units import format_bytes
     from nbresume.frameworks.layout import list_lines, local_kind
 
     framework = local_kind(args.dir)  # a Trainer's output_dir, a Lightning dirpath
@@ -55,7 +58,6 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from nbresume.checkpoint.store import CheckpointStore
     from nbresume.frameworks.layout import local_kind, verify_lines
 
     framework = local_kind(args.dir)  # a Trainer's output_dir, a Lightning dirpath
@@ -105,8 +107,6 @@ def _verify_hashes(store: Any) -> int:
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from nbresume.checkpoint.store import CheckpointStore
-
     keep_best = None
     if args.best:
         metric, _, mode = args.best.partition(":")
@@ -116,8 +116,6 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         _check_metric(store, keep_best[0], args.dir)
     # Deleting beside a run that saves there would race with its own retention: prune holds
     # the folder's writer lease meanwhile, and a live writer's lease refuses it by name.
-    from nbresume.checkpoint.store import holding
-
     with holding(store.backend, purpose="nbresume prune"):
         deleted = store.prune()
     left = [i.step for i in store.list()]
@@ -147,8 +145,6 @@ def _check_metric(store: Any, metric: str, where: str) -> None:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import os
 
-    from nbresume.preflight_checks import preflight, terminal_width
-
     report = preflight(
         args.accelerator,
         args.internet,
@@ -166,8 +162,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from nbresume import runner
-
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -218,8 +212,6 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
     """
     import time
 
-    from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.checkpoint.units import format_duration
     from nbresume.frameworks.layout import local_kind
     from nbresume.frameworks.resumable import resumable
     from nbresume.runner import find_state
@@ -295,8 +287,6 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     if args.dst is None:
         return _usage(args, "a destination folder is needed: nbresume pull SRC DST")
     if _local_path(args.src) is None and not args.src.lower().startswith(("ssh://", "sftp://")):
-        from nbresume.checkpoint.backends import open_store
-
         # Reach the store (credentials, endpoint) before anything is printed or created.
         open_store(args.src).list_folders()
     try:
@@ -593,8 +583,6 @@ def _add_kaggle_parsers(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nbresume.checkpoint.version import __version__
-
     parser = argparse.ArgumentParser(
         prog="nbresume",
         description="Verified checkpoints and exact resume for long PyTorch training.",

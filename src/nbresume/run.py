@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nbresume import knobs
+from nbresume.checkpoint.loop import Checkpointer
+from nbresume.checkpoint.state import apply_determinism
 from nbresume.platforms import Platform, detect
 from nbresume.platforms.base import check_run_name
 from nbresume.preflight_checks import (
@@ -58,8 +60,6 @@ class Run:
         session cap) and, for ``every="auto"``, the platform's expected time between
         interruptions in the Young/Daly interval. Any keyword overrides them.
         """
-        from nbresume.checkpoint.loop import Checkpointer
-
         kwargs.setdefault("keep", self.keep)
         kwargs.setdefault("deadline", "auto")
         ckpt = Checkpointer(self.dir, **kwargs)
@@ -126,8 +126,6 @@ def init(
             work for it to cover cuBLAS.
     """
     check_run_name(name)
-    from nbresume.checkpoint.state import apply_determinism
-
     apply_determinism(deterministic, "nbresume.init")  # before the preflight, which reports it
     sandbox = knobs.check_dir(name if dir is None else dir)  # `nbresume check`'s own folder
     if sandbox is not None:

@@ -8,6 +8,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint.arguments import check_keep
+from nbresume.checkpoint.loop import check_deadline
 from nbresume.checkpoint.store import CheckpointInfo
 from nbresume.errors import CheckpointError
 from nbresume.frameworks.watch import Watch
@@ -55,9 +57,6 @@ class Callback(TrainerCallback):
         keep: Any = _UNSET,
         callbacks: list[ev.Callback] | None = None,
     ) -> None:
-        from nbresume.checkpoint.arguments import check_keep
-        from nbresume.checkpoint.loop import check_deadline
-
         check_deadline(deadline, "nbresume.hf.Callback")
         if keep is not _UNSET:
             check_keep("nbresume.hf.Callback", keep)

@@ -44,6 +44,7 @@ from nbresume.checkpoint.store import (
     Digests,
     VerifyResult,
     check_hashes,
+    live_holder,
     read_header,
 )
 from nbresume.checkpoint.units import format_bytes
@@ -231,8 +232,6 @@ def _refusal(
 
 
 def _caution_if_writing(store: CheckpointStore, out: Callable[[str], None]) -> None:
-    from nbresume.checkpoint.store import live_holder
-
     try:
         holder = live_holder(store.backend)
     except Exception:
