@@ -174,10 +174,6 @@ def home() -> Path:
     return Path(HOME.raw()).expanduser()
 
 
-def home_is_set() -> bool:
-    return bool(os.environ.get(HOME.name))
-
-
 def platform() -> str | None:
     """The forced platform name, or ``None`` to detect."""
     return PLATFORM.raw().strip().lower() or None

@@ -166,13 +166,6 @@ class Snapshot:
     #: one, where they differ (``None``: the same).
     reshaped: tuple[int, int] | None = None
 
-    def at_risk_text(self) -> str:
-        """The last verified checkpoint and what was trained since; the warning instead, when
-        there is one."""
-        if self.at_risk.warning:
-            return f"WARNING: {self.at_risk.warning}"
-        return self.at_risk.text(self.now)
-
     def progress_text(self) -> str:
         """``"step 1,234 of 20,000 (6%) · 12.3 steps/s · ETA 25 min"``."""
         if self.step is None:
