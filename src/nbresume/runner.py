@@ -239,35 +239,49 @@ def classify(returncode: int, tail: str, *, oom_killed: bool = False) -> Outcome
         return Outcome(code, killed, False, "the job asked Slurm to requeue it: Slurm starts "
                        "it again, so it is not started again here")  # fmt: skip
     if oom_killed:
-        return Outcome(code, killed, False, (
-            "the out-of-memory killer ended it (the container's memory limit): not retried, "
+        return _not_retried(
+            code,
+            killed,
+            "the out-of-memory killer ended it (the container's memory limit)",
             "the same command would run out of memory again; lower the batch size or the "
-            f"number of DataLoader workers, or ask for more memory, then {_RESUME_HINT}"
-        ))  # fmt: skip
+            "number of DataLoader workers, or ask for more memory",
+        )
     if by_signal in RETRIED_SIGNALS:
         name = signal.Signals(by_signal).name
         return Outcome(code, killed, True, f"{name} came from outside the job (a preemption, "
                        "a kill, a lost terminal)")  # fmt: skip
     if _DISK_FULL.search(tail):
-        return Outcome(code, killed, False, (
-            "the disk is full (No space left on device): not retried, the same command would "
-            "fail the same way; free space there (`nbresume prune DIR --keep 2`, caches, old "
-            f"logs) or choose a larger disk, then {_RESUME_HINT}"
-        ))  # fmt: skip
+        return _not_retried(
+            code,
+            killed,
+            "the disk is full (No space left on device)",
+            "the same command would fail the same way; free space there (`nbresume prune DIR "
+            "--keep 2`, caches, old logs) or choose a larger disk",
+        )
     if _TRACEBACK in tail:
-        return Outcome(code, killed, False, (
-            f"the job failed with a Python exception ({last_exception(tail)}): not retried, "
-            f"the same command would fail the same way; fix the code, then {_RESUME_HINT}"
-        ))  # fmt: skip
+        return _not_retried(
+            code,
+            killed,
+            f"the job failed with a Python exception ({last_exception(tail)})",
+            "the same command would fail the same way; fix the code",
+        )
     if killed is not None:
-        return Outcome(code, killed, False, (
-            f"it crashed with {signal.Signals(killed).name}: not retried, a crash in native "
-            f"code usually repeats; read the log, then {_RESUME_HINT}"
-        ))  # fmt: skip
+        return _not_retried(
+            code,
+            killed,
+            f"it crashed with {signal.Signals(killed).name}",
+            "a crash in native code usually repeats; read the log",
+        )
     return Outcome(code, None, False, (
         f"exit status {code} is neither a preemption nor a kill: not retried; read the log, "
         f"then {_RESUME_HINT}"
     ))  # fmt: skip
+
+
+def _not_retried(code: int, killed: int | None, what: str, why_and_fix: str) -> Outcome:
+    """The end of a job that a retry would not mend: ``what`` ended it, why it would end the
+    same way again and what to do before the same command resumes it."""
+    return Outcome(code, killed, False, f"{what}: not retried, {why_and_fix}, then {_RESUME_HINT}")
 
 
 def last_exception(tail: str) -> str:
