@@ -9,9 +9,7 @@ which also removes deleted checkpoints in the background), any fsspec file syste
 (:mod:`.hf_bucket`, imported only when an ``hf://buckets/`` URL is opened). How a checkpoint
 is committed through a backend is described at the top of :mod:`nbresume.checkpoint.store.store`.
 
-This package is the layer's API: the names in ``__all__`` below are what the rest of the
-package imports, and they are for the package only: users import from ``nbresume`` itself
-(docs/api.md lists what is public).
+This package is the layer's API: the names below are what the rest of the package imports.
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ commit marker, and the names of a checkpoint folder; docs/format.md), :mod:`.ten
 tensors and tagged JSON, the Checkpointer's ``state.json`` and the RNG states in it) and
 :mod:`.lightning_format` (the document of a Lightning checkpoint). It imports only the root.
 
-This package is the layer's API: the names in ``__all__`` below are what the rest of the
-package imports, and they are for the package only: users import from ``nbresume`` itself
-(docs/api.md lists what is public).
+This package is the layer's API: the names below are what the rest of the package imports.
 """
 
 from __future__ import annotations

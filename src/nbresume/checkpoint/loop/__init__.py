@@ -8,9 +8,7 @@ a snapshot now or in the background, and reporting the save), :mod:`.cadence` (w
 (saved where it counts, and ``wait(durable=True)``) and :mod:`.keywords` (the constructor's
 arguments, checked first).
 
-This package is the layer's API: the names in ``__all__`` below are what the rest of the
-package imports, and they are for the package only: users import from ``nbresume`` itself
-(docs/api.md lists what is public).
+This package is the layer's API: the names below are what the rest of the package imports.
 """
 
 from __future__ import annotations

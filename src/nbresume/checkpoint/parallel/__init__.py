@@ -4,9 +4,7 @@ Above :mod:`~nbresume.checkpoint.state`: :mod:`.distributed` (collectives: every
 states and decisions, as bytes, never pickle), :mod:`.dcp` (DCP's storage writer and reader
 over a pending checkpoint) and :mod:`.sharded` (sharded state saved and loaded through DCP).
 
-This package is the layer's API: the names in ``__all__`` below are what the rest of the
-package imports, and they are for the package only: users import from ``nbresume`` itself
-(docs/api.md lists what is public).
+This package is the layer's API: the names below are what the rest of the package imports.
 """
 
 from __future__ import annotations

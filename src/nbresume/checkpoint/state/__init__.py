@@ -8,9 +8,7 @@ optimizer's state_dict leaves out: pending gradients, parameter groups added in 
 position), :mod:`.health` (out of memory, data wait) and :mod:`.determinism` (bit-exact
 continuation on a GPU).
 
-This package is the layer's API: the names in ``__all__`` below are what the rest of the
-package imports, and they are for the package only: users import from ``nbresume`` itself
-(docs/api.md lists what is public).
+This package is the layer's API: the names below are what the rest of the package imports.
 """
 
 from __future__ import annotations
