@@ -40,8 +40,8 @@ def test_every_public_name_has_its_own_entry_in_the_api_reference(site: Path) ->
 
     def anchors(name: str) -> set[str]:
         # mkdocstrings gives each documented object an anchor named by its path: the public
-        # one, or where it is defined when it must be listed from there (a function that
-        # shares its name with its own module, such as nbresume.preflight).
+        # one, or where it is defined when it is listed from there (nbresume.preflight, from
+        # nbresume.preflight_checks).
         obj = getattr(nbresume, name)
         paths = {f"nbresume.{name}"}
         if hasattr(obj, "__qualname__") and hasattr(obj, "__module__"):

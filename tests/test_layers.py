@@ -52,7 +52,7 @@ ABOVE_THE_CORE = (
     "nbresume.notebook",
     "nbresume.kaggle",
     "nbresume.cli",
-    "nbresume.preflight",
+    "nbresume.preflight_checks",
     "nbresume.runner",
     "nbresume.pull",
     "nbresume.demo",

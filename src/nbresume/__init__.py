@@ -48,7 +48,7 @@ from nbresume.platforms import session_deadline as _session_deadline
 from nbresume.platforms.cgroup import available_memory as _available_memory
 from nbresume.platforms.cgroup import cap_threads
 from nbresume.platforms.cgroup import read_cpu as _read_cpu
-from nbresume.preflight import Check, Report, preflight
+from nbresume.preflight_checks import Check, Report, preflight
 from nbresume.run import Run, current_run, init
 from nbresume.run import provide_display as _provide_display
 from nbresume.slurm import after_stop_save as _slurm_after_stop_save

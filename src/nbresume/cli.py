@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import itertools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from nbresume.checkpoint.backends import SCHEME_PACKAGES
+from nbresume import runner
+from nbresume.checkpoint.backends import SCHEME_PACKAGES, open_store
 from nbresume.checkpoint.format import created_time
+from nbresume.checkpoint.store import CheckpointStore, holding
+from nbresume.checkpoint.units import format_bytes, format_duration
+from nbresume.checkpoint.version import __version__
 from nbresume.errors import NbresumeError, StorageError, UsageError
+from nbresume.preflight_checks import preflight, terminal_width
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.checkpoint.units import format_bytes
     from nbresume.frameworks.layout import list_lines, local_kind
 
     framework = local_kind(args.dir)  # a Trainer's output_dir, a Lightning dirpath
@@ -54,7 +58,6 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from nbresume.checkpoint.store import CheckpointStore
     from nbresume.frameworks.layout import local_kind, verify_lines
 
     framework = local_kind(args.dir)  # a Trainer's output_dir, a Lightning dirpath
@@ -104,8 +107,6 @@ def _verify_hashes(store: Any) -> int:
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from nbresume.checkpoint.store import CheckpointStore
-
     keep_best = None
     if args.best:
         metric, _, mode = args.best.partition(":")
@@ -115,8 +116,6 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         _check_metric(store, keep_best[0], args.dir)
     # Deleting beside a run that saves there would race with its own retention: prune holds
     # the folder's writer lease meanwhile, and a live writer's lease refuses it by name.
-    from nbresume.checkpoint.store import holding
-
     with holding(store.backend, purpose="nbresume prune"):
         deleted = store.prune()
     left = [i.step for i in store.list()]
@@ -146,8 +145,6 @@ def _check_metric(store: Any, metric: str, where: str) -> None:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import os
 
-    from nbresume.preflight import preflight, terminal_width
-
     report = preflight(
         args.accelerator,
         args.internet,
@@ -165,8 +162,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from nbresume import runner
-
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -217,8 +212,6 @@ def _last_verified_lines(target: str, now: float | None = None) -> list[str]:
     """
     import time
 
-    from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.checkpoint.units import format_duration
     from nbresume.frameworks.layout import local_kind
     from nbresume.frameworks.resumable import resumable
     from nbresume.runner import find_state
@@ -294,8 +287,6 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     if args.dst is None:
         return _usage(args, "a destination folder is needed: nbresume pull SRC DST")
     if _local_path(args.src) is None and not args.src.lower().startswith(("ssh://", "sftp://")):
-        from nbresume.checkpoint.backends import open_store
-
         # Reach the store (credentials, endpoint) before anything is printed or created.
         open_store(args.src).list_folders()
     try:
@@ -402,53 +393,51 @@ def _cmd_chain(args: argparse.Namespace) -> int:
     )
 
 
-def _kaggle_ref(text: str) -> str:
-    from nbresume.kaggle.metadata import parse_ref
+def _checked_by(
+    module: str, function: str, *, errors: type[Exception] = NbresumeError, keep_value: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: ``module.function`` checks the text (``module`` imported only then);
+    its error becomes argparse's message. The type's value is the text, or the function's
+    value where ``keep_value``."""
 
-    try:
-        parse_ref(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    def parse(text: str) -> Any:
+        check = getattr(importlib.import_module(module), function)
+        try:
+            value = check(text)
+        except errors as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value if keep_value else text
 
-
-def _kaggle_dataset(text: str) -> str:
-    from nbresume.kaggle.push import check_dataset_ref
-
-    try:
-        check_dataset_ref(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    return parse
 
 
-def _push_name(text: str) -> str:
-    from nbresume.kaggle.push import check_push_name
-
-    try:
-        return check_push_name(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _kaggle_accelerator(text: str) -> str:
-    from nbresume.kaggle.metadata import parse_accelerator
-
-    try:
-        parse_accelerator(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+_kaggle_ref = _checked_by("nbresume.kaggle.metadata", "parse_ref")
+_kaggle_dataset = _checked_by("nbresume.kaggle.push", "check_dataset_ref")
+_push_name = _checked_by("nbresume.kaggle.push", "check_push_name", keep_value=True)
+_kaggle_accelerator = _checked_by("nbresume.kaggle.metadata", "parse_accelerator")
+_accelerator = _checked_by("nbresume.preflight_checks", "parse_accelerator")
+_rate = _checked_by("nbresume.pull", "parse_rate", errors=ValueError, keep_value=True)
 
 
-def _poll_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 3600, got {value}")
-    return value
+def _seconds_to_hour(*, zero: bool) -> Callable[[str], float]:
+    """An argparse type: seconds up to an hour, more than 0 (or, where ``zero``, at least 0)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        above_low = value >= 0 if zero else value > 0
+        if not (above_low and value <= 3600):
+            low = "at least 0" if zero else "more than 0"
+            raise argparse.ArgumentTypeError(f"must be {low} and at most 3600, got {value}")
+        return value
+
+    return parse
+
+
+_poll_seconds = _seconds_to_hour(zero=False)
+_seconds = _seconds_to_hour(zero=True)
 
 
 def _add_chain_options(p: argparse.ArgumentParser) -> None:
@@ -594,8 +583,6 @@ def _add_kaggle_parsers(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nbresume.checkpoint.version import __version__
-
     parser = argparse.ArgumentParser(
         prog="nbresume",
         description="Verified checkpoints and exact resume for long PyTorch training.",
@@ -856,35 +843,6 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 _positive_int = _int_at_least(1)
 _count = _int_at_least(0)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 3600 seconds, got {value}")
-    return value
-
-
-def _rate(text: str) -> float:
-    from nbresume.pull import parse_rate
-
-    try:
-        return parse_rate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _accelerator(text: str) -> str:
-    from nbresume.preflight import parse_accelerator
-
-    try:
-        parse_accelerator(text)
-    except NbresumeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

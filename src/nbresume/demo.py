@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from nbresume.checkpoint.store import CheckpointStore
+
 MARKER = ".nbresume-demo"
 TOTAL_STEPS = 120
 
@@ -69,7 +71,6 @@ def run_demo(folder: str, *, seed: int | None = None) -> int:
     except ImportError:
         print("nbresume demo trains a small PyTorch model: pip install torch", file=sys.stderr)
         return 1
-    from nbresume.checkpoint.store import CheckpointStore
 
     rng = random.Random(seed)  # noqa: S311 - when to kill, not security
     root = Path(folder).resolve()

@@ -162,7 +162,7 @@ class PreflightError(NbresumeError):
     is watching it), or ``strict=True``.
 
     Attributes:
-        report: the :class:`nbresume.preflight.Report` with every check.
+        report: the :class:`nbresume.preflight_checks.Report` with every check.
     """
 
     def __init__(

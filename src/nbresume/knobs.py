@@ -174,10 +174,6 @@ def home() -> Path:
     return Path(HOME.raw()).expanduser()
 
 
-def home_is_set() -> bool:
-    return bool(os.environ.get(HOME.name))
-
-
 def platform() -> str | None:
     """The forced platform name, or ``None`` to detect."""
     return PLATFORM.raw().strip().lower() or None
@@ -185,35 +181,38 @@ def platform() -> str | None:
 
 def strict() -> bool | None:
     """``True``/``False`` when NBRESUME_STRICT is set, else ``None`` (the platform decides)."""
-    value = STRICT.raw().strip().lower()
+    return _switch(STRICT)
+
+
+def gpu_direct_read() -> bool:
+    """Whether NBRESUME_GPU_DIRECT_READ turns on reading tensor files straight onto a GPU."""
+    return _on(GPU_DIRECT_READ)
+
+
+def gpu_snapshot() -> bool:
+    """Whether NBRESUME_GPU_SNAPSHOT lets an asynchronous save copy GPU tensors on the GPU
+    first."""
+    return _on(GPU_SNAPSHOT)
+
+
+def _switch(knob: Knob) -> bool | None:
+    """A 1-or-0 knob (yes/no, true/false and on/off alike), ``None`` when it is empty."""
+    value = knob.raw().strip().lower()
     if not value:
         return None
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise _bad(STRICT, value, "1 or 0")
+    raise _bad(knob, value, "1 or 0")
 
 
-def gpu_direct_read() -> bool:
-    """Whether NBRESUME_GPU_DIRECT_READ turns on reading tensor files straight onto a GPU."""
-    value = GPU_DIRECT_READ.raw().strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise _bad(GPU_DIRECT_READ, value, "1 or 0")
-
-
-def gpu_snapshot() -> bool:
-    """Whether NBRESUME_GPU_SNAPSHOT lets an asynchronous save copy GPU tensors on the GPU
-    first."""
-    value = GPU_SNAPSHOT.raw().strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise _bad(GPU_SNAPSHOT, value, "1 or 0")
+def _on(knob: Knob) -> bool:
+    """A 1-or-0 knob that must be set (it has a default)."""
+    value = _switch(knob)
+    if value is None:
+        raise _bad(knob, "", "1 or 0")
+    return value
 
 
 def kaggle_root() -> Path:
@@ -300,16 +299,7 @@ def slurm_requeue() -> str:
 
 def smoke_steps() -> int | None:
     """The steps each training loop may run in a smoke run, or ``None`` outside one."""
-    text = SMOKE_STEPS.raw().strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise _bad(SMOKE_STEPS, text, "a number of steps such as 3") from None
-    if value < 1:
-        raise _bad(SMOKE_STEPS, text, "a number of steps such as 3")
-    return value
+    return _steps(SMOKE_STEPS, example=3)
 
 
 def stop_at_step() -> int | None:
@@ -322,16 +312,16 @@ def save_every() -> int | None:
     return _steps(SAVE_EVERY)
 
 
-def _steps(knob: Knob) -> int | None:
+def _steps(knob: Knob, example: int = 20) -> int | None:
     text = knob.raw().strip()
     if not text:
         return None
     try:
         value = int(text)
     except ValueError:
-        raise _bad(knob, text, "a number of steps such as 20") from None
+        raise _bad(knob, text, f"a number of steps such as {example}") from None
     if value < 1:
-        raise _bad(knob, text, "a number of steps such as 20")
+        raise _bad(knob, text, f"a number of steps such as {example}")
     return value
 
 

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nbresume import knobs
+from nbresume.checkpoint.loop import Checkpointer
+from nbresume.checkpoint.state import apply_determinism
 from nbresume.platforms import Platform, detect
 from nbresume.platforms.base import check_run_name
-from nbresume.preflight import (
+from nbresume.preflight_checks import (
     Report,
     check_durable,
     preflight,
@@ -39,7 +41,7 @@ class Run:
         name: the run's name (its durable folder's name).
         platform: the detected :class:`~nbresume.platforms.Platform`.
         dir: the durable folder, a path or an fsspec URL.
-        report: the preflight :class:`~nbresume.preflight.Report`.
+        report: the preflight :class:`~nbresume.preflight_checks.Report`.
         keep: how many checkpoints :meth:`checkpointer` keeps by default.
         seeded: the checkpoint copied in from an earlier run's output (Kaggle), if any.
     """
@@ -58,8 +60,6 @@ class Run:
         session cap) and, for ``every="auto"``, the platform's expected time between
         interruptions in the Young/Daly interval. Any keyword overrides them.
         """
-        from nbresume.checkpoint.loop import Checkpointer
-
         kwargs.setdefault("keep", self.keep)
         kwargs.setdefault("deadline", "auto")
         ckpt = Checkpointer(self.dir, **kwargs)
@@ -126,8 +126,6 @@ def init(
             work for it to cover cuBLAS.
     """
     check_run_name(name)
-    from nbresume.checkpoint.state import apply_determinism
-
     apply_determinism(deterministic, "nbresume.init")  # before the preflight, which reports it
     sandbox = knobs.check_dir(name if dir is None else dir)  # `nbresume check`'s own folder
     if sandbox is not None:

@@ -45,9 +45,13 @@ from types import FrameType
 from typing import Any, BinaryIO
 
 from nbresume.checkpoint import procfs
+from nbresume.checkpoint.backends import open_store
 from nbresume.checkpoint.format import created_time
+from nbresume.checkpoint.store import CheckpointStore
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import NbresumeError, UsageError
+from nbresume.platforms.cgroup import _THREAD_VARIABLES, read_cpu, read_memory
+from nbresume.slurm import REQUEUED_MARK
 
 MARK = "[nbresume run]"
 DEFAULT_LOG_NAME = "nbresume-run.log"
@@ -146,8 +150,6 @@ def copy_log(log: Path, location: str) -> str:
     :data:`DEFAULT_LOG_NAME`, replacing an older copy; return ``""`` or what went wrong."""
     if "://" not in location and Path(location).expanduser().absolute() / DEFAULT_LOG_NAME == log:
         return ""  # written there already
-    from nbresume.checkpoint.backends import open_store
-
     try:
         open_store(location).replace_small(DEFAULT_LOG_NAME, log.read_bytes())
     except (NbresumeError, OSError, ValueError) as exc:
@@ -187,8 +189,6 @@ def job_environment(base: dict[str, str] | None = None) -> tuple[dict[str, str],
     """The job's environment, and a note on what was set: unbuffered Python output (a log
     off a terminal is block-buffered), and math thread pools sized to the container's CPU
     quota (torch and OpenMP size them by the host's cores). Variables already set win."""
-    from nbresume.platforms.cgroup import _THREAD_VARIABLES, read_cpu
-
     env = dict(os.environ if base is None else base)
     env["PYTHONUNBUFFERED"] = "1"
     cpu = read_cpu()
@@ -230,8 +230,6 @@ _RESUME_HINT = "run the same command again: it resumes from the newest verified 
 def classify(returncode: int, tail: str, *, oom_killed: bool = False) -> Outcome:
     """Why the job ended (``returncode`` as :class:`subprocess.Popen` reports it, ``tail`` the
     end of its output), and whether to retry."""
-    from nbresume.slurm import REQUEUED_MARK
-
     killed = -returncode if returncode < 0 else None
     code = 128 + killed if killed is not None else returncode
     by_signal = killed if killed is not None else (code - 128 if 128 < code < 160 else None)
@@ -241,35 +239,49 @@ def classify(returncode: int, tail: str, *, oom_killed: bool = False) -> Outcome
         return Outcome(code, killed, False, "the job asked Slurm to requeue it: Slurm starts "
                        "it again, so it is not started again here")  # fmt: skip
     if oom_killed:
-        return Outcome(code, killed, False, (
-            "the out-of-memory killer ended it (the container's memory limit): not retried, "
+        return _not_retried(
+            code,
+            killed,
+            "the out-of-memory killer ended it (the container's memory limit)",
             "the same command would run out of memory again; lower the batch size or the "
-            f"number of DataLoader workers, or ask for more memory, then {_RESUME_HINT}"
-        ))  # fmt: skip
+            "number of DataLoader workers, or ask for more memory",
+        )
     if by_signal in RETRIED_SIGNALS:
         name = signal.Signals(by_signal).name
         return Outcome(code, killed, True, f"{name} came from outside the job (a preemption, "
                        "a kill, a lost terminal)")  # fmt: skip
     if _DISK_FULL.search(tail):
-        return Outcome(code, killed, False, (
-            "the disk is full (No space left on device): not retried, the same command would "
-            "fail the same way; free space there (`nbresume prune DIR --keep 2`, caches, old "
-            f"logs) or choose a larger disk, then {_RESUME_HINT}"
-        ))  # fmt: skip
+        return _not_retried(
+            code,
+            killed,
+            "the disk is full (No space left on device)",
+            "the same command would fail the same way; free space there (`nbresume prune DIR "
+            "--keep 2`, caches, old logs) or choose a larger disk",
+        )
     if _TRACEBACK in tail:
-        return Outcome(code, killed, False, (
-            f"the job failed with a Python exception ({last_exception(tail)}): not retried, "
-            f"the same command would fail the same way; fix the code, then {_RESUME_HINT}"
-        ))  # fmt: skip
+        return _not_retried(
+            code,
+            killed,
+            f"the job failed with a Python exception ({last_exception(tail)})",
+            "the same command would fail the same way; fix the code",
+        )
     if killed is not None:
-        return Outcome(code, killed, False, (
-            f"it crashed with {signal.Signals(killed).name}: not retried, a crash in native "
-            f"code usually repeats; read the log, then {_RESUME_HINT}"
-        ))  # fmt: skip
+        return _not_retried(
+            code,
+            killed,
+            f"it crashed with {signal.Signals(killed).name}",
+            "a crash in native code usually repeats; read the log",
+        )
     return Outcome(code, None, False, (
         f"exit status {code} is neither a preemption nor a kill: not retried; read the log, "
         f"then {_RESUME_HINT}"
     ))  # fmt: skip
+
+
+def _not_retried(code: int, killed: int | None, what: str, why_and_fix: str) -> Outcome:
+    """The end of a job that a retry would not mend: ``what`` ended it, why it would end the
+    same way again and what to do before the same command resumes it."""
+    return Outcome(code, killed, False, f"{what}: not retried, {why_and_fix}, then {_RESUME_HINT}")
 
 
 def last_exception(tail: str) -> str:
@@ -432,7 +444,6 @@ class Supervisor:
     def _newest_checkpoint(self) -> str:
         if not self.state.dir:
             return "no --dir given"
-        from nbresume.checkpoint.store import CheckpointStore
         from nbresume.frameworks.layout import local_kind
 
         framework = local_kind(self.state.dir)  # a Trainer's output_dir, a Lightning dirpath
@@ -536,8 +547,6 @@ def _read_tail(path: Path, offset: int) -> str:
 
 
 def _oom_kills() -> int:
-    from nbresume.platforms.cgroup import read_memory
-
     try:
         return read_memory().oom_kills or 0
     except OSError:
@@ -731,7 +740,6 @@ def status(target: str, *, now: float | None = None) -> tuple[list[str], int]:
 
 
 def _has_checkpoints(location: str) -> bool:
-    from nbresume.checkpoint.store import CheckpointStore
     from nbresume.frameworks.layout import local_kind
 
     if local_kind(location) is not None:  # a Trainer's output_dir, a Lightning dirpath
@@ -803,7 +811,6 @@ def _judge_checkpoint(
 ) -> tuple[list[str], bool, str]:
     """(what the newest checkpoint is and its age, as lines; whether it verifies; a note when
     the job runs but has not saved for much longer than usual)."""
-    from nbresume.checkpoint.store import CheckpointStore
     from nbresume.frameworks.layout import local_kind
 
     framework = local_kind(location)  # a Trainer's output_dir, a Lightning dirpath

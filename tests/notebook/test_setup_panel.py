@@ -259,7 +259,7 @@ def test_colab_clocks_include_idle_closed_tab_and_the_vm_lifetime(clean_env: Pat
 def test_colab_panel_shows_drive_not_mounted_with_the_button(
     monkeypatch: pytest.MonkeyPatch, clean_env: Path
 ) -> None:
-    from nbresume.preflight import preflight
+    from nbresume.preflight_checks import preflight
 
     monkeypatch.setenv("NBRESUME_DRIVE_MOUNT", str(clean_env / "drive"))
     colab = by_name("colab")

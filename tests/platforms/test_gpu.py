@@ -17,7 +17,7 @@ import nbresume
 from nbresume.errors import UsageError
 from nbresume.platforms import by_name
 from nbresume.platforms.gpu import Gpu, TorchInfo, parse_nvidia_smi, read_version_file
-from nbresume.preflight import Check, Expectation, check_accelerator, check_cuda_build
+from nbresume.preflight_checks import Check, Expectation, check_accelerator, check_cuda_build
 
 # What `torch.cuda.get_arch_list()` reports for two published Linux wheels.
 ARCH_CU121 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
@@ -215,7 +215,7 @@ def test_unknown_accelerator_is_a_usage_error(spec: str) -> None:
     [("GPU", ("gpu", 1)), ("gpu:2", ("gpu", 2)), ("cuda", ("gpu", 1)), ("cpu", ("cpu", 1))],
 )
 def test_accelerator_spellings(spec: str, expected: tuple[str, int]) -> None:
-    from nbresume.preflight import parse_accelerator
+    from nbresume.preflight_checks import parse_accelerator
 
     parsed = parse_accelerator(spec)
     assert (parsed.kind, parsed.count) == expected

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nbresume.checkpoint.format import parse_step_dirname
-from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.store import CheckpointStore, verify_folder
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CheckpointError
 
@@ -148,8 +148,6 @@ def newest_ckpt(folders: Iterable[Path]) -> Resumable:
     folders of ``folders``: ``last*.ckpt`` first when it verifies (as Lightning's
     ``ckpt_path="last"``), else the newest other by step; every byte of it read back and
     matched with its manifest. Nothing here imports Lightning."""
-    from nbresume.checkpoint.store import verify_folder
-
     found = [item for folder in folders for item in committed(folder)]
     # ``last*.ckpt`` first: it holds every ModelCheckpoint's newest state, and a run resumed
     # from another .ckpt would pin that one forever (ModelCheckpoint never removes the

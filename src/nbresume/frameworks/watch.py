@@ -44,6 +44,7 @@ from nbresume.checkpoint.loop import (
     DurabilityWatcher,
     LoopControl,
     SaveFunction,
+    confirm,
     report_save,
 )
 from nbresume.checkpoint.parallel import Group, current_group
@@ -259,8 +260,6 @@ class Watch(ControlledLoop):
         """Saves through a watch are blocking: nothing is ever in flight. With ``durable``, wait
         until the storage itself confirms the newest checkpoint, as
         :meth:`Checkpointer.wait <nbresume.checkpoint.loop.Checkpointer.wait>` does."""
-        from nbresume.checkpoint.loop import confirm
-
         return confirm(self.store, timeout=timeout) if durable else None
 
     def latest(self) -> CheckpointInfo | None:

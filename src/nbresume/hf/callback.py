@@ -8,6 +8,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from nbresume.checkpoint import events as ev
+from nbresume.checkpoint.arguments import check_keep
+from nbresume.checkpoint.loop import check_deadline
 from nbresume.checkpoint.store import CheckpointInfo
 from nbresume.errors import CheckpointError
 from nbresume.frameworks.watch import Watch
@@ -55,9 +57,6 @@ class Callback(TrainerCallback):
         keep: Any = _UNSET,
         callbacks: list[ev.Callback] | None = None,
     ) -> None:
-        from nbresume.checkpoint.arguments import check_keep
-        from nbresume.checkpoint.loop import check_deadline
-
         check_deadline(deadline, "nbresume.hf.Callback")
         if keep is not _UNSET:
             check_keep("nbresume.hf.Callback", keep)
@@ -147,16 +146,15 @@ class Callback(TrainerCallback):
                 failed = error
         if group is not None:
             # A failed commit raises on every rank: none goes on alone into the next step.
-            (any_failed,) = group.agree([failed is not None])
-            if failed is not None:
-                raise failed
-            if any_failed:
-                raise CheckpointError(
+            group.raise_any(
+                failed,
+                CheckpointError(
                     f"another process of the job could not commit checkpoint-{step}",
                     where=str(args.output_dir),
                     fix="see that process's error; a rerun resumes from the newest "
                     "checkpoint that verifies",
-                )
+                ),
+            )
         if self.stop_reason:
             watch.stopping(step, self.stop_reason)
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from nbresume.checkpoint.backends import READ_CHUNK, Backend, FreeSpace, LocalStore
+from nbresume.checkpoint.backends import READ_CHUNK, Backend, FreeSpace
 from nbresume.checkpoint.format import (
     HASH_DIGITS,
     MANIFEST_NAME,
@@ -98,10 +98,10 @@ class _Named(Backend):
     call goes to the backend of the folder (fsync, atomic rename, Drive's durability and
     deletion through its API) with the names translated; nothing else changes."""
 
-    def __init__(self, inner: LocalStore, names: FolderNames) -> None:
+    def __init__(self, inner: Backend, root: Path, names: FolderNames) -> None:
         self.inner = inner
         self.names = names
-        self.root = inner.root
+        self.root = root
         self.atomic_rename = inner.atomic_rename
         self.write_back = inner.write_back
         self.reports_md5 = inner.reports_md5
@@ -164,19 +164,14 @@ class _Named(Backend):
         return self.inner.free_space()
 
     def durability(self, folder: str, manifest: Manifest) -> Durability:
-        from nbresume.checkpoint.backends import FAILED, DriveStore, Durability
-
         real = self.names.real(folder)
-        if not isinstance(self.inner, DriveStore):
-            return self.inner.durability(real, manifest)
-        # Drive must hold the framework's files that the manifest cannot name too.
-        try:
-            expected = self.inner.expected(real, manifest)
-            for name, entry in framework_files(self.root / real).items():
-                expected[name] = (entry["size"], entry["md5"])
-        except (OSError, KeyError, CorruptCheckpointError) as exc:
-            return Durability(FAILED, f"cannot read the local copy of {real}: {exc}")
-        return self.inner.drive_state(real, expected)
+
+        def framework_sums() -> dict[str, tuple[int, str]]:
+            # The framework's files, which the manifest cannot name, must be durable too.
+            files = framework_files(self.root / real)
+            return {name: (entry["size"], entry["md5"]) for name, entry in files.items()}
+
+        return self.inner.durability_with(real, manifest, framework_sums)
 
     def read_small(self, name: str) -> bytes | None:
         return self.inner.read_small(name)
@@ -198,9 +193,10 @@ def open_store(
     mounted Google Drive), its checkpoint folders named the framework's way."""
     location = str(local_path(output_dir))
     inner = CheckpointStore(location).backend
-    if not isinstance(inner, LocalStore):  # pragma: no cover - a path opens a local backend
+    root = inner.local_root
+    if root is None:  # pragma: no cover - a path opens a local backend
         raise UsageError(f"{location} is not a local folder", where=location)
-    return CheckpointStore(_Named(inner, names), keep=keep)
+    return CheckpointStore(_Named(inner, root, names), keep=keep)
 
 
 def local_path(output_dir: str | os.PathLike[str]) -> Path:

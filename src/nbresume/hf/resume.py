@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from nbresume.checkpoint.format import TEMP_PREFIX
 from nbresume.checkpoint.store import CheckpointInfo
 from nbresume.errors import CorruptCheckpointError, UsageError
 from nbresume.frameworks import layout
@@ -138,8 +139,6 @@ def seed_from(folders: list[Path], root: Path) -> CheckpointInfo | None:
 
 
 def _copy_folder(source: Path, root: Path, step: int) -> CheckpointInfo:
-    from nbresume.checkpoint.format import TEMP_PREFIX
-
     root.mkdir(parents=True, exist_ok=True)
     target = open_store(root, keep=None)
     aside = root / f"{TEMP_PREFIX}seed-{source.name}"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import UsageError
 from nbresume.kaggle import metadata as meta
 from nbresume.kaggle import notebook as nbfile
@@ -264,7 +265,6 @@ def status(ref: str) -> int:
 def pull(ref: str, dst: str | None = None) -> int:
     """``nbresume pull owner/slug [DIR]``: download the latest version's output and verify
     every checkpoint in it. Exit 1 when any does not match its manifest."""
-    from nbresume.checkpoint.units import format_bytes
     from nbresume.kaggle.client import Kaggle
     from nbresume.kaggle.output import pull as pull_output
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ast
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -228,6 +228,12 @@ def _calls(tree: ast.AST) -> Iterator[ast.Call]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             yield node
+
+
+def _calls_any(cell: Cell, which: Callable[[ast.Call], bool]) -> bool:
+    """Whether the cell parses and makes a call that ``which`` picks."""
+    tree = cell.python()
+    return tree is not None and any(which(c) for c in _calls(tree))
 
 
 def _strings(tree: ast.AST) -> Iterator[str]:
@@ -457,8 +463,7 @@ def _first_cell(notebook: Notebook, names: _Names) -> list[Finding]:
             return []
         if _is_setup_only(cell) or "parameters" in cell.tags:
             continue  # installs, and papermill's parameters cell, come before init by design
-        tree = cell.python()
-        if tree is not None and any(names.is_init(c) for c in _calls(tree)):
+        if _calls_any(cell, names.is_init):
             return []
         return [
             Finding(
@@ -478,8 +483,7 @@ def _no_output(notebook: Notebook, names: _Names) -> list[Finding]:
     if "/kaggle/working" in notebook.all_source():
         return []
     for cell in notebook.code_cells:
-        tree = cell.python()
-        if tree is not None and any(names.is_checkpointing(c) for c in _calls(tree)):
+        if _calls_any(cell, names.is_checkpointing):
             return []
     return [
         Finding(

@@ -44,6 +44,7 @@ from nbresume.checkpoint.store import (
     Digests,
     VerifyResult,
     check_hashes,
+    live_holder,
     read_header,
 )
 from nbresume.checkpoint.units import format_bytes
@@ -190,18 +191,17 @@ def _chosen(
 
 def _broken(store: CheckpointStore, listed: list[CheckpointInfo]) -> list[VerifyResult]:
     """Step folders with a manifest that does not parse, oldest first: checkpoints that
-    :meth:`CheckpointStore.list` leaves out, each with its problem."""
-    found = []
-    skip = {info.name for info in listed}
-    for step, name in reversed(store.checkpoint_folders()):
-        if name in skip or not store.has_manifest(name):
-            continue
-        try:
-            store.read_manifest(name, step)
-        except CorruptCheckpointError as exc:
-            problem = f"{exc.where}: {exc.message}" if exc.where else exc.message
-            found.append(VerifyResult(name, step, store.backend.child(name), False, problem))
-    return found
+    :meth:`CheckpointStore.list` leaves out, each with its problem (without the fix)."""
+    return [
+        VerifyResult(
+            name,
+            step,
+            store.backend.child(name),
+            False,
+            f"{exc.where}: {exc.message}" if exc.where else exc.message,
+        )
+        for step, name, exc in store.broken_manifests(listed)
+    ]
 
 
 def _refusal(
@@ -232,8 +232,6 @@ def _refusal(
 
 
 def _caution_if_writing(store: CheckpointStore, out: Callable[[str], None]) -> None:
-    from nbresume.checkpoint.store import live_holder
-
     try:
         holder = live_holder(store.backend)
     except Exception:

@@ -34,7 +34,7 @@ from nbresume.checkpoint.format import LIGHTNING_FORMAT as FORMAT
 from nbresume.checkpoint.format import LIGHTNING_FORMAT_VERSION as FORMAT_VERSION
 from nbresume.checkpoint.format import LIGHTNING_TENSORS as TENSORS
 from nbresume.checkpoint.format import decode_lightning, flatten
-from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
+from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore, parse_json
 from nbresume.errors import CheckpointError, NoCheckpointError, UsageError
 from nbresume.frameworks.layout import committed
 
@@ -390,8 +390,6 @@ def ckpt_folders(directory: Path) -> list[Path]:
 def read_document(path: Path) -> Any:
     """The ``checkpoint.json`` document (its hash checked) of the newest checkpoint in the
     ``.ckpt`` folder ``path``, or ``None``."""
-    from nbresume.checkpoint.store import parse_json
-
     name = f"{DOCUMENT}.json"
     try:
         store = CheckpointStore(str(path), keep=None)

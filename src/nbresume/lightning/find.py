@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nbresume.errors import UsageError
 from nbresume.frameworks.layout import newest_ckpt
 
 
@@ -34,8 +35,6 @@ def checkpoint_dirs(where: Any) -> list[Path]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     if not isinstance(where, Trainer):
-        from nbresume.errors import UsageError
-
         raise UsageError(
             f"last_checkpoint() takes a Trainer or a folder, not a {type(where).__name__}",
             where="nbresume.lightning.last_checkpoint",

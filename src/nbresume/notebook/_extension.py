@@ -12,12 +12,12 @@ from typing import Any
 
 from nbresume.notebook import magics, status_line
 from nbresume.notebook.extension_state import ExtensionState, state
+from nbresume.preflight_checks import preflight
+from nbresume.run import current_run
 
 
 def load(shell: Any) -> None:
     """``%load_ext nbresume``: preflight, magics, and the panel (or the status line)."""
-    from nbresume.run import current_run
-
     st = state()
     if not st.register(shell):
         print("nbresume is already loaded: `%nbresume status` shows the run")
@@ -28,8 +28,6 @@ def load(shell: Any) -> None:
         st.tracker.set_run(run)
         report = run.report
     else:
-        from nbresume.preflight import preflight
-
         report = preflight()
         st.tracker.set_report(report)
     if getattr(shell, "kernel", None) is not None:

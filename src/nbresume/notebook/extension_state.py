@@ -12,6 +12,7 @@ from typing import Any
 from IPython.display import display
 
 from nbresume.checkpoint import forksafe
+from nbresume.checkpoint.units import format_bytes
 from nbresume.notebook import status_line
 from nbresume.notebook._pump import CommPump
 from nbresume.notebook.progress import Tracker, tracker
@@ -125,8 +126,6 @@ class ExtensionState:
 
     def tracker_status_text(self) -> str:
         """A few lines: the run, training progress, the last checkpoint, the session."""
-        from nbresume.checkpoint.units import format_bytes
-
         snap = self.tracker.snapshot()
         head = "nbresume"
         if snap.run_name:

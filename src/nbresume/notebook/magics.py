@@ -19,10 +19,12 @@ from urllib.parse import urlsplit
 
 from IPython.core.error import UsageError
 
-from nbresume.checkpoint.units import format_duration
+from nbresume.checkpoint.loop import confirm
+from nbresume.checkpoint.units import format_bytes, format_duration
 from nbresume.errors import NbresumeError
 from nbresume.notebook import once as markers
 from nbresume.notebook.extension_state import ExtensionState, state
+from nbresume.run import current_run
 
 if TYPE_CHECKING:
     from nbresume.checkpoint.loop import RunningLoop
@@ -112,8 +114,6 @@ def status(args: list[str]) -> None:
 
 def _safe_to_close(ckpt: RunningLoop) -> str:
     """Whether the storage itself holds the newest checkpoint now (asked once, no waiting)."""
-    from nbresume.checkpoint.loop import confirm
-
     try:
         return f"safe to close: {confirm(ckpt.store, timeout=0)}"
     except NbresumeError as exc:
@@ -142,8 +142,6 @@ def verify(args: list[str]) -> None:
 
 def save(args: list[str]) -> None:
     """Save the shown Checkpointer's state now and wait until it verified."""
-    from nbresume.checkpoint.units import format_bytes
-
     if args:
         raise UsageError("%nbresume save takes no arguments")
     tracker = _state().tracker
@@ -165,8 +163,6 @@ def save(args: list[str]) -> None:
 
 
 def _run_folder(what: str) -> str:
-    from nbresume.run import current_run
-
     run = current_run()
     if run is None:
         raise UsageError(

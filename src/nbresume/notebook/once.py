@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbresume.checkpoint.backends import DriveStore, backend_kind
 from nbresume.errors import NbresumeError, StorageError, UsageError
 
 FOLDER = "once"
@@ -119,15 +120,11 @@ def write_marker(
 
 
 def _on_drive(root: str) -> bool:
-    from nbresume.checkpoint.backends import backend_kind
-
     return backend_kind(root) == "drive"
 
 
 def _confirm_on_drive(root: str, name: str, data: bytes, timeout: float) -> None:
     """Wait until Drive reports the marker with its size and MD5; else remove it and raise."""
-    from nbresume.checkpoint.backends import DriveStore
-
     expected = {f"{name}.json": (len(data), hashlib.md5(data, usedforsecurity=False).hexdigest())}
     started = time.monotonic()
     try:

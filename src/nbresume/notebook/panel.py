@@ -23,6 +23,10 @@ import ipywidgets as widgets
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe
+from nbresume.checkpoint.loop import confirm
+from nbresume.checkpoint.state import MIN_BATCHES, data_wait_of
+from nbresume.checkpoint.units import format_bytes
+from nbresume.errors import CheckpointError
 from nbresume.notebook.progress import (
     FAILED,
     FOUND,
@@ -34,6 +38,7 @@ from nbresume.notebook.progress import (
     Tracker,
     describe,
 )
+from nbresume.platforms import by_name
 
 if TYPE_CHECKING:
     from nbresume.notebook._pump import CommPump
@@ -230,8 +235,6 @@ class Panel:
 
     @staticmethod
     def _facts_html(snap: Snapshot) -> str:
-        from nbresume.checkpoint.units import format_bytes
-
         rows = []
         for fact in snap.facts:
             if fact.label == "session":
@@ -258,8 +261,6 @@ class Panel:
 
     def _data_wait_html(self) -> str:
         """The share of step time spent waiting for batches; the advice when input-bound."""
-        from nbresume.checkpoint.state import MIN_BATCHES, data_wait_of
-
         ckpt = self.tracker.checkpointer
         wait = None if ckpt is None else data_wait_of(ckpt)
         if wait is None or wait.batches < MIN_BATCHES:
@@ -357,9 +358,6 @@ class Panel:
                 self._ask_again = False
 
     def _ask_once(self) -> None:
-        from nbresume.checkpoint.loop import confirm
-        from nbresume.errors import CheckpointError
-
         ckpt = self.tracker.checkpointer
         if ckpt is None:
             return
@@ -398,7 +396,6 @@ class Panel:
 
     def _clock_lines(self) -> list[ClockLine]:
         from nbresume.notebook.setup_panel import clock_lines
-        from nbresume.platforms import by_name
 
         now = time.monotonic()
         if self._clocks is not None and now - self._clocks[0] < CLOCKS_TTL_S:

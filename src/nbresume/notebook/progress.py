@@ -25,12 +25,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe
+from nbresume.checkpoint.backends import open_store
 from nbresume.checkpoint.format import created_time
-from nbresume.checkpoint.units import format_duration
+from nbresume.checkpoint.store import CheckpointStore
+from nbresume.checkpoint.units import format_bytes, format_duration
+from nbresume.platforms.gpu import accelerator_attached
+from nbresume.preflight_checks import STOP_MARGIN_S
 
 if TYPE_CHECKING:
     from nbresume.checkpoint.loop import RunningLoop
-    from nbresume.preflight import Check, Report
+    from nbresume.preflight_checks import Check, Report
     from nbresume.run import Run
 
 log = logging.getLogger("nbresume")
@@ -162,13 +166,6 @@ class Snapshot:
     #: one, where they differ (``None``: the same).
     reshaped: tuple[int, int] | None = None
 
-    def at_risk_text(self) -> str:
-        """The last verified checkpoint and what was trained since; the warning instead, when
-        there is one."""
-        if self.at_risk.warning:
-            return f"WARNING: {self.at_risk.warning}"
-        return self.at_risk.text(self.now)
-
     def progress_text(self) -> str:
         """``"step 1,234 of 20,000 (6%) · 12.3 steps/s · ETA 25 min"``."""
         if self.step is None:
@@ -215,8 +212,6 @@ class Snapshot:
 
 def describe(view: CheckpointView, now: float) -> str:
     """``"step 1,500 saved (2 min ago, 12.3 MB)"``."""
-    from nbresume.checkpoint.units import format_bytes
-
     parts = []
     if view.at is not None:
         parts.append(f"{format_duration(now - view.at)} ago" if now - view.at >= 1 else "just now")
@@ -412,8 +407,6 @@ class Tracker:
 
     def _found(self, location: Any) -> None:
         """The newest committed checkpoint already in the folder, as FOUND."""
-        from nbresume.checkpoint.store import CheckpointStore
-
         try:
             store = (
                 location
@@ -599,8 +592,6 @@ class Tracker:
                 with contextlib.suppress(Exception):
                     stop_at = ckpt.stop_at
             elif ckpt is None and deadline is not None:
-                from nbresume.preflight import STOP_MARGIN_S
-
                 stop_at = deadline - STOP_MARGIN_S  # what deadline="auto" does, at the least
             return Snapshot(
                 now=now,
@@ -711,8 +702,6 @@ class Tracker:
             if ckpt is not None:
                 free = ckpt.store.backend.free_space().bytes
             elif self.run is not None:
-                from nbresume.checkpoint.backends import open_store
-
                 free = open_store(self.run.dir).free_space().bytes
         except Exception as exc:
             log.debug("nbresume: free space unknown: %s", exc)
@@ -781,8 +770,6 @@ def _seen(check: Check) -> str:
 
 def _session_deadline(run: Run) -> tuple[float | None, str]:
     """When the platform ends this session, and what that limit is called."""
-    from nbresume.platforms.gpu import accelerator_attached
-
     try:
         return run.platform.session_deadline(accelerator_attached())
     except Exception as exc:  # a bad NBRESUME_SESSION_CAP is the preflight's to report

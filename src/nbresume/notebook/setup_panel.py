@@ -28,13 +28,20 @@ from typing import TYPE_CHECKING, Any
 
 from nbresume import knobs
 from nbresume.checkpoint import forksafe
+from nbresume.checkpoint.backends import DriveApi
+from nbresume.checkpoint.format import MANIFEST_NAME
+from nbresume.checkpoint.loop import session_started_at
+from nbresume.checkpoint.store import CheckpointStore
 from nbresume.checkpoint.units import format_bytes, format_duration
 from nbresume.errors import CorruptCheckpointError, UsageError
+from nbresume.platforms import by_name
+from nbresume.platforms.gpu import accelerator_attached
+from nbresume.platforms.kaggle import _copy_checkpoint, find_seed_folders
 
 if TYPE_CHECKING:
     from nbresume.checkpoint.store import CheckpointInfo, CheckpointStore
     from nbresume.platforms.base import Platform
-    from nbresume.preflight import Report
+    from nbresume.preflight_checks import Report
     from nbresume.run import Run
 
 log = logging.getLogger("nbresume")
@@ -81,9 +88,6 @@ class ClockLine:
 
 def clock_lines(platform: Platform, now: float | None = None) -> list[ClockLine]:
     """The danger clocks of ``platform`` with what is left of each, as far as it is known."""
-    from nbresume.checkpoint.loop import session_started_at
-    from nbresume.platforms.gpu import accelerator_attached
-
     now = time.time() if now is None else now
     accelerated = accelerator_attached()
     try:
@@ -163,8 +167,6 @@ def drive_facts(*, ask_quota: bool = True) -> DriveFacts:
     if not mounted or not ask_quota:
         return DriveFacts(str(mount), mounted, None, "" if mounted else "known once mounted")
     try:
-        from nbresume.checkpoint.backends import DriveApi
-
         quota = DriveApi.shared().quota()
     except Exception as exc:
         return DriveFacts(str(mount), True, None, f"unknown ({exc})")
@@ -227,9 +229,6 @@ def input_checkpoints(
     folder the inputs hold), at most :data:`MAX_INPUTS`, the newest: verified ones first, newest
     first, then those not read back yet, then those that do not verify. The newest are read
     back whole while their sizes add up to ``verify_bytes`` at most."""
-    from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.platforms.kaggle import find_seed_folders
-
     root = input_root if input_root is not None else knobs.kaggle_root() / "input"
     found: list[tuple[int, int, CheckpointStore, CheckpointInfo, Path]] = []
     for order, folder in enumerate(find_seed_folders(root, name)):
@@ -277,9 +276,6 @@ def choose_input(run: Run, choice: InputCheckpoint | None) -> str:
     was trained here (no copy of an input) is never removed: the choice is refused instead.
     Returns what was done, in a sentence.
     """
-    from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.platforms.kaggle import _copy_checkpoint
-
     _refuse_after_restore(run)
     target = CheckpointStore(run.dir, keep=None)
     here = target.list()
@@ -343,17 +339,12 @@ def _refuse_after_restore(run: Run) -> None:
 
 
 def _manifest_bytes(store: CheckpointStore, name: str) -> bytes:
-    from nbresume.checkpoint.format import MANIFEST_NAME
-
     with store.backend.open_read(name, MANIFEST_NAME) as reader:
         return reader.read()
 
 
 def _is_input_copy(target: CheckpointStore, info: CheckpointInfo, run: Run) -> bool:
     """Whether ``info`` in the run folder is a copy of a checkpoint under /kaggle/input."""
-    from nbresume.checkpoint.store import CheckpointStore
-    from nbresume.platforms.kaggle import find_seed_folders
-
     mine = _manifest_bytes(target, info.name)
     for folder in find_seed_folders(knobs.kaggle_root() / "input", run.name):
         source = CheckpointStore(folder, keep=None)
@@ -364,8 +355,6 @@ def _is_input_copy(target: CheckpointStore, info: CheckpointInfo, run: Run) -> b
 
 
 def _same_as(target: CheckpointStore, info: CheckpointInfo, choice: InputCheckpoint) -> bool:
-    from nbresume.checkpoint.store import CheckpointStore
-
     source = CheckpointStore(choice.folder, keep=None)
     other = next((i for i in source.list() if i.step == choice.step), None)
     return other is not None and _manifest_bytes(source, other.name) == _manifest_bytes(
@@ -388,8 +377,6 @@ def _show_folder_again(run: Run) -> None:
 
 def setup_text(report: Report, run: Run | None = None, platform: Platform | None = None) -> str:
     """The setup panel as text (for a terminal)."""
-    from nbresume.platforms import by_name
-
     here = run.platform if run is not None else platform or by_name(report.platform)
     lines = [f"nbresume setup · {report.platform_title}: {report.verdict()}"]
     for check in report.checks:
@@ -443,8 +430,6 @@ class SetupPanel:
         self, report: Report, run: Run | None = None, platform: Platform | None = None
     ) -> None:
         import ipywidgets as widgets
-
-        from nbresume.platforms import by_name
 
         self.report = report
         self.run = run

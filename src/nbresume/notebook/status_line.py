@@ -19,7 +19,8 @@ from typing import Any, TextIO
 
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint import forksafe
-from nbresume.checkpoint.state import DataWaitShare
+from nbresume.checkpoint.state import MIN_BATCHES, DataWaitShare, data_wait_of
+from nbresume.checkpoint.units import format_bytes
 from nbresume.notebook.progress import (
     FAILED,
     SAVED,
@@ -29,6 +30,7 @@ from nbresume.notebook.progress import (
     Tracker,
     describe,
 )
+from nbresume.run import current_run
 
 #: Seconds between two progress lines when the output is not a terminal.
 LOG_INTERVAL_S = 60.0
@@ -92,8 +94,6 @@ class StatusLine:
     def line(self, snap: Snapshot) -> str:
         """The one-line summary: progress, the training since the last verified checkpoint (or
         the warning that it is too much), the last checkpoint, the session clock, free disk."""
-        from nbresume.checkpoint.units import format_bytes
-
         parts = [f"nbresume{' ' + snap.run_name if snap.run_name else ''}: {snap.progress_text()}"]
         # What a crash would lose comes before the last checkpoint, whose failure can be long:
         # a line too wide for the terminal is cut at the end.
@@ -118,8 +118,6 @@ class StatusLine:
 
     def _data_wait(self) -> DataWaitShare | None:
         """The share of step time the loop waits for batches, once enough were measured."""
-        from nbresume.checkpoint.state import MIN_BATCHES, data_wait_of
-
         ckpt = self.tracker.checkpointer
         wait = None if ckpt is None else data_wait_of(ckpt)
         return wait if wait is not None and wait.batches >= MIN_BATCHES else None
@@ -217,7 +215,6 @@ def follow(checkpointer: Any) -> None:
     """
     from nbresume.notebook.progress import tracker
     from nbresume.notebook.shell import ipython_shell
-    from nbresume.run import current_run
 
     if current_run() is not None or ipython_shell() is not None:
         return

@@ -12,6 +12,7 @@ from nbresume.errors import UsageError
 from nbresume.platforms.base import DangerClock, Platform
 from nbresume.platforms.cluster import KubernetesPlatform, SlurmPlatform, SshPlatform
 from nbresume.platforms.colab import ColabPlatform
+from nbresume.platforms.gpu import accelerator_attached
 from nbresume.platforms.kaggle import KaggleBatchPlatform, KagglePlatform
 from nbresume.platforms.local import LocalPlatform
 
@@ -50,8 +51,6 @@ def detect() -> Platform:
 def session_deadline() -> tuple[float | None, str]:
     """When this platform ends the session (a Unix time) and what that limit is called: what
     ``deadline="auto"`` is given (registered in :mod:`nbresume.checkpoint.hooks`)."""
-    from nbresume.platforms.gpu import accelerator_attached
-
     return detect().session_deadline(accelerator_attached())
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from nbresume import knobs
+from nbresume.checkpoint.loop import session_started_at
 from nbresume.checkpoint.units import format_duration
 from nbresume.errors import StorageError, UsageError
 
@@ -142,8 +143,6 @@ class Platform(ABC):
         NBRESUME_SESSION_CAP replaces the platform's figure; the cap is counted from the
         session's real start (see :func:`nbresume.checkpoint.loop.session_started_at`).
         """
-        from nbresume.checkpoint.loop import session_started_at
-
         cap = knobs.session_cap()
         label = self.cap_name(accelerated)
         if cap == knobs.UNSET:

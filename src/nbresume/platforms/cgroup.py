@@ -141,6 +141,12 @@ def host_memory(field: str = "MemTotal") -> int | None:
     return None
 
 
+#: The memory files of cgroup v2 and v1: use, OOM events, and the reclaimable field of
+#: memory.stat (v1's usage_in_bytes counts the groups below: so does total_inactive_file).
+_V2_FILES = ("memory.current", "memory.events", "inactive_file")
+_V1_FILES = ("memory.usage_in_bytes", "memory.oom_control", "total_inactive_file")
+
+
 def read_memory(root: Path | None = None) -> MemoryFacts:
     """The memory limit, use (and how much of it the kernel may reclaim) and OOM kill count of
     this container, and the host's total and available memory."""
@@ -148,31 +154,23 @@ def read_memory(root: Path | None = None) -> MemoryFacts:
     host = host_memory()
     host_available = host_memory("MemAvailable")
     limit_file = _first_existing(root, "", "memory.max")
-    if limit_file is not None:  # cgroup v2
-        folder = limit_file.parent
-        raw = _read(limit_file)
-        return MemoryFacts(
-            limit=None if raw == "max" else _int(raw),
-            current=_int(_read(folder / "memory.current")),
-            oom_kills=_keyed(_read(folder / "memory.events"), "oom_kill"),
-            host_total=host,
-            source=str(limit_file),
-            reclaimable=_keyed(_read(folder / "memory.stat"), "inactive_file"),
-            host_available=host_available,
-        )
-    v1 = root / "memory"
-    limit_file = _first_existing(v1, "memory", "memory.limit_in_bytes")
+    v2 = limit_file is not None
+    if not v2:
+        limit_file = _first_existing(root / "memory", "memory", "memory.limit_in_bytes")
     if limit_file is not None:
         folder = limit_file.parent
-        limit = _int(_read(limit_file))
+        raw = _read(limit_file)
+        limit = _int(raw)
+        if raw == "max" or (not v2 and limit is not None and limit >= _V1_UNLIMITED):
+            limit = None
+        usage, events, inactive = _V2_FILES if v2 else _V1_FILES
         return MemoryFacts(
-            limit=None if limit is None or limit >= _V1_UNLIMITED else limit,
-            current=_int(_read(folder / "memory.usage_in_bytes")),
-            oom_kills=_keyed(_read(folder / "memory.oom_control"), "oom_kill"),
+            limit=limit,
+            current=_int(_read(folder / usage)),
+            oom_kills=_keyed(_read(folder / events), "oom_kill"),
             host_total=host,
             source=str(limit_file),
-            # usage_in_bytes counts the groups below this one: so does total_inactive_file.
-            reclaimable=_keyed(_read(folder / "memory.stat"), "total_inactive_file"),
+            reclaimable=_keyed(_read(folder / "memory.stat"), inactive),
             host_available=host_available,
         )
     return MemoryFacts(

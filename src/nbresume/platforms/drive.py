@@ -21,6 +21,7 @@ from pathlib import Path
 
 from nbresume import knobs
 from nbresume.checkpoint.backends import DriveApi, DriveStore, Durability
+from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import StorageError
 
 #: What ``drive_status`` reports per checkpoint (an alias: the state is generic).
@@ -101,8 +102,6 @@ def _mount_fix(message: str) -> str:
 
 def drive_status(location: str | os.PathLike[str] | DriveStore) -> dict[int, Durability]:
     """{step: what Drive holds of it} for every committed checkpoint in a Drive folder."""
-    from nbresume.checkpoint.store import CheckpointStore
-
     store = location if isinstance(location, DriveStore) else DriveStore(location)
     return {info.step: store.durability(info.name, info.manifest)
             for info in CheckpointStore(store).list()}  # fmt: skip
@@ -168,8 +167,6 @@ def flush(
     files are gone after it. A failed flush is reported in ``error``, never raised: the report
     still says what landed.
     """
-    from nbresume.checkpoint.store import CheckpointStore
-
     if not locations:
         runs = knobs.drive_mount() / "MyDrive" / "nbresume"
         locations = tuple(sorted(p for p in runs.iterdir() if p.is_dir())) if runs.is_dir() else ()

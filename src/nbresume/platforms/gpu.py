@@ -10,7 +10,6 @@ available" on a build without sm_60).
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import importlib.util
 import os
@@ -27,6 +26,7 @@ from nbresume.platforms.nvidia_smi import (
     GpuQuery,
     GpuStatus,
     Verdict,
+    communicate,
     health_verdict,
     memory_verdict,
 )
@@ -119,18 +119,10 @@ class NvidiaSmi:
         return parse_nvidia_smi(out), "ok"
 
     def _wait(self, proc: subprocess.Popen[str]) -> tuple[str, str, int | None]:
-        left = max(0.05, self.timeout - (time.monotonic() - self.started))
-        try:
-            out, err = proc.communicate(timeout=left)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            # Not communicate(): a child of a hung nvidia-smi could hold the pipes open.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.5)
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
+        answer = communicate(proc, max(0.05, self.timeout - (time.monotonic() - self.started)))
+        if answer is None:
             return "", "", None
+        out, err = answer
         return out, err, proc.returncode
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nbresume import knobs
+from nbresume.checkpoint.format import MANIFEST_NAME, step_dirname
+from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import CorruptCheckpointError, StorageError, StorageFullError
 from nbresume.platforms.base import HOUR, DangerClock, Platform, is_inside, make_folder
 
@@ -184,8 +186,6 @@ def seed_from_inputs(name: str, root: Path, input_root: Path) -> CheckpointInfo 
     attached inputs, into ``root``; skip when ``root`` already has one as new. Returns the
     copied checkpoint (verified in ``root``), or ``None`` when nothing was copied.
     """
-    from nbresume.checkpoint.store import CheckpointStore
-
     folders = find_seed_folders(input_root, name)
     if not folders:
         return None
@@ -214,8 +214,6 @@ def _copy_checkpoint(
 ) -> CheckpointInfo:
     """Copy one committed checkpoint through the stores' own commit protocol, then verify it
     where it landed."""
-    from nbresume.checkpoint.format import MANIFEST_NAME, step_dirname
-
     src, dst = source.backend, target.backend
     final = step_dirname(info.step)
     dst.recover(current="")

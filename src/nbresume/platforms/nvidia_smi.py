@@ -354,6 +354,22 @@ def _start(command: list[str]) -> subprocess.Popen[str]:
     )
 
 
+def communicate(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str] | None:
+    """``proc``'s stdout and stderr once it exits, or ``None`` (it is killed) when it has not
+    within ``timeout`` seconds."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        # Not communicate(): a child of a hung tool could hold the pipes open.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        return None
+
+
 def _run(command: list[str], timeout: float, start: Start = _start) -> tuple[str, str]:
     """``(stdout, "ok")`` or ``("", what went wrong)``; ``start`` starts the process (``None``:
     not started)."""
@@ -363,13 +379,10 @@ def _run(command: list[str], timeout: float, start: Start = _start) -> tuple[str
         return "", f"{command[0]} could not start: {exc}"
     if proc is None:
         return "", f"{command[0]} was not run"
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=0.5)
+    answer = communicate(proc, timeout)
+    if answer is None:
         return "", f"{command[0]} gave no answer within {timeout:g} s"
+    out, err = answer
     if proc.returncode != 0:
         detail = (err or out).strip().splitlines()
         return "", detail[0] if detail else f"exit status {proc.returncode}"

@@ -95,16 +95,6 @@ UNSEEDED = Cause(
     "the model and the DataLoader are made; on a GPU, nbresume.init(..., deterministic=True)",
 )
 
-KNOWN = (
-    PENDING_GRADIENTS,
-    UNSAVED_GENERATOR,
-    ENVIRONMENT,
-    GLOBAL_STREAMS,
-    LOCAL_COUNTER,
-    BATCH_SIZE,
-    UNSEEDED,
-)
-
 
 @dataclass(frozen=True)
 class Verdict:

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from nbresume.checkpoint.format import RETIRED_PREFIX, Manifest
+from nbresume.checkpoint.format import (
+    MANIFEST_NAME,
+    RETIRED_PREFIX,
+    TEMP_PREFIX,
+    Manifest,
+    parse_step_dirname,
+)
 
 READ_CHUNK = 8 << 20
 
@@ -44,6 +50,11 @@ MISSING = "missing"
 FAILED = "failed"
 
 
+#: Files another library wrote into a checkpoint folder, as ``{name: (size, MD5)}``, listed
+#: when asked (see :meth:`Backend.durability_with`).
+FileSums = Callable[[], Mapping[str, tuple[int, str]]]
+
+
 @dataclass(frozen=True)
 class Durability:
     """What the durable store holds of one checkpoint. Only ``state == "saved"`` is saved."""
@@ -57,6 +68,19 @@ class Durability:
 
     def __str__(self) -> str:
         return f"{self.state}: {self.reason}" if self.reason else self.state
+
+
+def syncing(total: int, waiting: list[str], says: str) -> Durability:
+    """:data:`SAVED` when no file of ``total`` is ``waiting``, else :data:`SYNCING` with how
+    many arrived, ``says`` and the first three files waited for."""
+    if not waiting:
+        return Durability(SAVED)
+    return Durability(
+        SYNCING,
+        f"{total - len(waiting)} of {total} files {says}"
+        + ", ".join(waiting[:3])
+        + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""),
+    )
 
 
 @dataclass(frozen=True)
@@ -162,6 +186,12 @@ class Backend(ABC):
         """Free bytes and inodes, where the store can tell."""
         return FreeSpace(None, None)
 
+    @property
+    def local_root(self) -> Path | None:
+        """The folder on this machine's file system that holds the store's folders, or
+        ``None`` on a store that has no such path (an object store)."""
+        return None
+
     def local_path(self, folder: str, name: str | None = None) -> Path | None:
         """``folder`` (or its file ``name``) as a path on this machine's file system, for
         another library to write into or for a look without opening; ``None`` on a store
@@ -193,6 +223,13 @@ class Backend(ABC):
         cache, what reads back is the durable copy itself: saved."""
         return Durability(SAVED)
 
+    def durability_with(self, folder: str, manifest: Manifest, more: FileSums) -> Durability:
+        """:meth:`durability`, where the durable copy must also hold files that the manifest
+        does not name (another library's, in the same folder): ``more`` lists them as
+        ``{name: (size, MD5)}``, and is called only by a store that compares each file (Google
+        Drive). By default, :meth:`durability`."""
+        return self.durability(folder, manifest)
+
     def read_bytes(self, folder: str, name: str, *, limit: int | None = None) -> bytearray:
         """A whole file, refusing to read more than ``limit`` bytes."""
         with self.open_read(folder, name) as handle:
@@ -212,6 +249,23 @@ class Backend(ABC):
         if self.writer_check is not None:
             self.writer_check()
 
+    def _discard_uncommitted(self, current: str) -> list[str]:
+        """:meth:`recover` for a store without renames: discard every temporary or retired
+        folder and every step folder without a manifest (a write that never committed), all
+        but ``current``; return their names."""
+        self._check_writer()
+        cleaned = []
+        for name in self.list_folders():
+            if name == current:
+                continue
+            hidden = name.startswith((TEMP_PREFIX, RETIRED_PREFIX))
+            if hidden or (
+                parse_step_dirname(name) is not None and MANIFEST_NAME not in self.list_files(name)
+            ):
+                self.discard(name)
+                cleaned.append(name)
+        return cleaned
+
     # -- small files directly below the root (the writer lease) ---------------------------
 
     @abstractmethod
@@ -219,10 +273,17 @@ class Backend(ABC):
         """The bytes of the small file ``name`` directly below the root (at most
         :data:`SMALL_FILE_LIMIT`), or ``None`` when there is none."""
 
-    @abstractmethod
     def create_small(self, name: str, data: bytes) -> bool:
         """Create the small file ``name`` below the root, creating the root if needed; return
-        False, writing nothing, when it exists already (atomic where :attr:`atomic_create`)."""
+        False, writing nothing, when it exists already (atomic where :attr:`atomic_create`).
+
+        By default a look and then a write: between the two another process may create the
+        file too, and the last write wins. Callers that need to be the only creator read the
+        file back after a pause (see the writer lease)."""
+        if self.read_small(name) is not None:
+            return False
+        self.replace_small(name, data)
+        return True
 
     @abstractmethod
     def replace_small(self, name: str, data: bytes) -> None:

@@ -32,13 +32,13 @@ from nbresume.checkpoint.backends.base import (
     FAILED,
     MISSING,
     REPLACED_PREFIX,
-    SAVED,
-    SYNCING,
     Durability,
+    FileSums,
+    syncing,
 )
 from nbresume.checkpoint.backends.local import LocalStore, remove_in_background
 from nbresume.checkpoint.format import MANIFEST_NAME, RETIRED_PREFIX, TEMP_PREFIX, Manifest
-from nbresume.errors import StorageError, UsageError
+from nbresume.errors import CorruptCheckpointError, StorageError, UsageError
 
 #: The Drive client's retry jitter (see DriveApi._execute), never the user's `random`.
 _RETRY_JITTER = random.Random()  # noqa: S311
@@ -322,21 +322,17 @@ class DriveStore(LocalStore):
                 got = int(copies[0].get("size") or 0)
                 detail = f"{got} of {size} bytes" if got != size else "other bytes (MD5 differs)"
                 waiting.append(f"{name} ({detail})")
-        if not waiting:
-            return Durability(SAVED)
-        done = len(expected) - len(waiting)
-        return Durability(
-            SYNCING,
-            f"{done} of {len(expected)} files of {where} on Google Drive; waiting for "
-            + ", ".join(waiting[:3])
-            + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""),
-        )
+        return syncing(len(expected), waiting, f"of {where} on Google Drive; waiting for ")
 
     def durability(self, folder: str, manifest: Manifest) -> Durability:
         """``saved`` only when Drive reports every file with the manifest's size and MD5."""
+        return self.durability_with(folder, manifest, dict)
+
+    def durability_with(self, folder: str, manifest: Manifest, more: FileSums) -> Durability:
         try:
             expected = self.expected(folder, manifest)
-        except OSError as exc:
+            expected.update(more())
+        except (OSError, KeyError, CorruptCheckpointError) as exc:
             return Durability(FAILED, f"cannot read the local copy of {folder}: {exc}")
         return self.drive_state(folder, expected)
 

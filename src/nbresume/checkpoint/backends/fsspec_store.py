@@ -16,10 +16,7 @@ from typing import IO, Any
 from nbresume.checkpoint.backends.base import SMALL_FILE_LIMIT, Backend, file_kind
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
-    RETIRED_PREFIX,
-    TEMP_PREFIX,
     Manifest,
-    parse_step_dirname,
 )
 from nbresume.errors import StorageError
 
@@ -166,20 +163,7 @@ class FsspecStore(Backend):
             self.fs.rm(self._path(folder), recursive=True)
 
     def recover(self, current: str) -> list[str]:
-        # Step folders without a manifest are writes that never committed.
-
-        self._check_writer()
-        cleaned = []
-        for name in self.list_folders():
-            if name == current:
-                continue
-            hidden = name.startswith((TEMP_PREFIX, RETIRED_PREFIX))
-            if hidden or (
-                parse_step_dirname(name) is not None and MANIFEST_NAME not in self.list_files(name)
-            ):
-                self.discard(name)
-                cleaned.append(name)
-        return cleaned
+        return self._discard_uncommitted(current)
 
     def read_small(self, name: str) -> bytes | None:
         path = self._path(name)
@@ -208,15 +192,6 @@ class FsspecStore(Backend):
                 ) from None
             return None
         return data
-
-    def create_small(self, name: str, data: bytes) -> bool:
-        # No atomic create-if-absent across fsspec backends: between this look and the write
-        # another process may create the file too, and the last write wins. Callers that need
-        # to be the only creator read the file back after a pause (see the writer lease).
-        if self.read_small(name) is not None:
-            return False
-        self.replace_small(name, data)
-        return True
 
     def replace_small(self, name: str, data: bytes) -> None:
         if self.root:

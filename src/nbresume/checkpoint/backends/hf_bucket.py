@@ -36,18 +36,14 @@ from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.backends.base import (
     FAILED,
     MISSING,
-    SAVED,
     SMALL_FILE_LIMIT,
-    SYNCING,
     Backend,
     Durability,
+    syncing,
 )
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
-    RETIRED_PREFIX,
-    TEMP_PREFIX,
     Manifest,
-    parse_step_dirname,
 )
 from nbresume.errors import StorageError, UsageError
 
@@ -436,19 +432,7 @@ class HfBucketStore(Backend):
             self._hashes.pop(folder, None)
 
     def recover(self, current: str) -> list[str]:
-        # Step folders without a manifest are writes that never committed.
-        self._check_writer()
-        cleaned = []
-        for name in self.list_folders():
-            if name == current:
-                continue
-            hidden = name.startswith((TEMP_PREFIX, RETIRED_PREFIX))
-            if hidden or (
-                parse_step_dirname(name) is not None and MANIFEST_NAME not in self.list_files(name)
-            ):
-                self.discard(name)
-                cleaned.append(name)
-        return cleaned
+        return self._discard_uncommitted(current)
 
     # -- what the bucket holds ---------------------------------------------------------------
 
@@ -493,15 +477,7 @@ class HfBucketStore(Backend):
                 waiting.append(f"{name} ({got[0]} of {size} bytes)")
             elif got[1] != digest:
                 waiting.append(f"{name} (other bytes: the bucket's xet_hash differs)")
-        if not waiting:
-            return Durability(SAVED)
-        done = len(expected) - len(waiting)
-        return Durability(
-            SYNCING,
-            f"{done} of {len(expected)} files of {where} match in the bucket; not: "
-            + ", ".join(waiting[:3])
-            + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""),
-        )
+        return syncing(len(expected), waiting, f"of {where} match in the bucket; not: ")
 
     def confirm(self, folder: str, manifest: Manifest) -> tuple[bool, str]:
         state = self.durability(folder, manifest)
@@ -521,13 +497,6 @@ class HfBucketStore(Backend):
                 return handle.read(SMALL_FILE_LIMIT)
         except FileNotFoundError:
             return None
-
-    def create_small(self, name: str, data: bytes) -> bool:
-        # No atomic create-if-absent: the writer lease reads the file back after a pause.
-        if self.read_small(name) is not None:
-            return False
-        self.replace_small(name, data)
-        return True
 
     def replace_small(self, name: str, data: bytes) -> None:
         self._upload([(bytes(data), self._remote(name))])

@@ -236,6 +236,10 @@ class LocalStore(Backend):
     def open_write(self, folder: str, name: str) -> IO[bytes]:
         return self.files.open_new(self.root / folder / name)
 
+    @property
+    def local_root(self) -> Path:
+        return self.root
+
     def local_path(self, folder: str, name: str | None = None) -> Path:
         return self.root / folder if name is None else self.root / folder / name
 

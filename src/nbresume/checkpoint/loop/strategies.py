@@ -354,16 +354,15 @@ class DataParallel(Strategy):
             plan, gather = self._prepare(chosen)
         except Exception as exc:
             error = exc
-        (failed,) = group.agree([error is not None])
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(
+        group.raise_any(
+            error,
+            CheckpointError(
                 f"another process of the job could not load the checkpoint of step {step}",
                 where=store.location,
                 fix="every process must see the same checkpoint folder: on several machines, "
                 "put it on a shared file system or an object store; see the failing rank's log",
-            )
+            ),
+        )
         assert plan is not None
         self._apply(plan, gather)
         return self._done_restoring()

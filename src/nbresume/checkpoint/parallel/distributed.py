@@ -59,6 +59,15 @@ class Group:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._group)
         return [int(v) for v in values.tolist()]
 
+    def raise_any(self, error: BaseException | None, elsewhere: NbresumeError) -> None:
+        """Raise ``error`` on this rank where it is not ``None``, and ``elsewhere`` on every
+        other rank when any rank has one: none goes on alone after a step another failed."""
+        (failed,) = self.agree([error is not None])
+        if error is not None:
+            raise error
+        if failed:
+            raise elsewhere
+
     def broadcast_ints(self, values: Sequence[int]) -> list[int]:
         """Rank 0's ``values`` on every rank (the others pass as many placeholders)."""
         import torch

@@ -156,8 +156,7 @@ def put_gradients_back(assignments: list[tuple[Any, Any]]) -> None:
 
 # -- parameter groups added during training ----------------------------------------------
 
-#: The state member: ``{optimizer: {"from": groups at registration, "names": [[...], ...]}}``.
-MEMBER = "added_groups"
+# The state member added_groups: {optimizer: {"from": groups at registration, "names": [[...]]}}.
 
 
 def _named_parameters(objects: Mapping[str, Any]) -> dict[str, Any]:

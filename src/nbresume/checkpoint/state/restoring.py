@@ -25,6 +25,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbresume import knobs
@@ -52,34 +53,23 @@ from nbresume.errors import (
 )
 
 
+@dataclass
 class RestorePlan:
     """A checkpoint checked against the live objects, ready to be put into them."""
 
-    def __init__(
-        self,
-        where: str,
-        saved: SavedState,
-        rng: Any,
-        missing: list[str],
-        grown: list[optimizer_extras.Grown] | None = None,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        fill: Callable[[], None] | None = None,
-    ) -> None:
-        self.where = where
-        #: Reads the saved bytes into the live tensors the plan's trees hold (the restore
-        #: reads into the objects' own memory: :func:`targets`); the first act of :func:`apply`.
-        self.fill = fill
-        self.saved = saved
-        self.rng = rng
-        self.missing = missing
-        #: Optimizers given back the parameter groups they gained in training (undone if the
-        #: plan is not applied in full).
-        self.grown = grown or []
-        #: This process's rank and the number of processes of the job that restores.
-        self.rank = rank
-        self.world_size = world_size
+    where: str
+    saved: SavedState
+    rng: Any
+    missing: list[str]
+    #: Optimizers given back the parameter groups they gained in training (undone if the
+    #: plan is not applied in full).
+    grown: list[optimizer_extras.Grown] = field(default_factory=list)
+    #: This process's rank and the number of processes of the job that restores.
+    rank: int = 0
+    world_size: int = 1
+    #: Reads the saved bytes into the live tensors the plan's trees hold (the restore
+    #: reads into the objects' own memory: :func:`targets`); the first act of :func:`apply`.
+    fill: Callable[[], None] | None = None
 
     @property
     def reshaped(self) -> bool:

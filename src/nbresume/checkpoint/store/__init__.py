@@ -8,7 +8,9 @@ policy), :mod:`.verdict` (whether a checkpoint is complete and consistent, for e
 :mod:`.store` (:class:`CheckpointStore`: retention, the newest checkpoint that verifies),
 :mod:`.lease` (the writer lease and its holder).
 
-This package is the layer's API: the names below are what the rest of the package imports.
+This package is the layer's API: the names in ``__all__`` below are what the rest of the
+package imports, and they are for the package only (users import from ``nbresume`` itself),
+except :class:`PendingCheckpoint`, which docs/api.md documents here.
 """
 
 from __future__ import annotations

@@ -178,11 +178,6 @@ def write_files(
             digests.cancel()
 
 
-def check_file(where: str, entry: FileEntry, size: int, digest: str, md5: Any) -> None:
-    """Size and hashes against the manifest's entry (``md5``: a hash object or ``None``)."""
-    check_hashes(where, entry, size, digest, None if md5 is None else md5.hexdigest())
-
-
 def check_bytes(where: str, entry: FileEntry, data: Buffer) -> None:
     """The bytes of a whole file, held in memory, against the manifest's entry."""
     digests = Digests(md5=entry.md5 is not None, threaded=False, algorithm=entry.algorithm)

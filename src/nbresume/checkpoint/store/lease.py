@@ -709,12 +709,6 @@ def holding(store: Backend, *, purpose: str) -> Iterator[WriterLease]:
         store.writer_check = None
 
 
-def current_holder(store: Backend) -> Holder | None:
-    """The holder a folder's lease file names, stale or not (``None`` when there is none)."""
-    raw = store.read_small(LEASE_NAME)
-    return None if raw is None else Holder.parse(raw)
-
-
 def live_holder(store: Backend, now: float | None = None) -> Holder | None:
     """The live writer that holds the lease of ``store``, judged as a writer taking the lease
     would judge it (on this machine: its process still runs; from another: renewed within

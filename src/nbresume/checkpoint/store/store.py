@@ -220,6 +220,15 @@ class CheckpointStore:
         manifest (one that is not a regular file, or does not parse), oldest first: broken
         checkpoints, which :meth:`list` leaves out. Nothing is hashed. ``listed``: what
         :meth:`list` returned just before, whose manifests are not read again."""
+        return [
+            VerifyResult(name, step, self.backend.child(name), False, str(exc))
+            for step, name, exc in self.broken_manifests(listed)
+        ]
+
+    def broken_manifests(
+        self, listed: Iterable[CheckpointInfo] = ()
+    ) -> builtins.list[tuple[int, str, CorruptCheckpointError]]:
+        """:meth:`broken` as ``(step, folder name, the error reading its manifest)``."""
         found = []
         skip = {info.name for info in listed}
         for step, name in reversed(self.checkpoint_folders()):
@@ -228,7 +237,7 @@ class CheckpointStore:
             try:
                 self.read_manifest(name, step)
             except CorruptCheckpointError as exc:
-                found.append(VerifyResult(name, step, self.backend.child(name), False, str(exc)))
+                found.append((step, name, exc))
         return found
 
     def latest(self) -> CheckpointInfo | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbresume.checkpoint.format import Manifest, SavedState, from_torch_name, signature
@@ -151,27 +152,22 @@ def _loader_problem(tree: dict[str, Any]) -> str:
 # -- sharded state -----------------------------------------------------------------------------
 
 
+@dataclass
 class _Sharded:
     """The cross-checks of one sharded metadata document against the checkpoint's files."""
 
-    def __init__(
-        self,
-        manifest: Manifest,
-        folder: str,
-        stem: str,
-        documents: Mapping[str, Any],
-        tensors: Mapping[str, Mapping[str, Any]],
-    ) -> None:
-        self.manifest = manifest
-        self.folder = folder
-        self.stem = stem
-        self.documents = documents
-        self.tensors = tensors
-        self.where = f"{folder}/{stem}{_METADATA_SUFFIX}"
-        self.shard_file = re.compile(re.escape(stem) + r"\.rank\d{5}\.(safetensors|json)")
-        #: (file, key) of every chunk and value, and the bytes of each tensor file's chunks.
-        self.referenced: dict[str, set[str]] = {}
-        self.bytes: dict[str, int] = {}
+    manifest: Manifest
+    folder: str
+    stem: str
+    documents: Mapping[str, Any]
+    tensors: Mapping[str, Mapping[str, Any]]
+    #: (file, key) of every chunk and value, and the bytes of each tensor file's chunks.
+    referenced: dict[str, set[str]] = field(default_factory=dict, init=False)
+    bytes: dict[str, int] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.where = f"{self.folder}/{self.stem}{_METADATA_SUFFIX}"
+        self.shard_file = re.compile(re.escape(self.stem) + r"\.rank\d{5}\.(safetensors|json)")
 
     def bad(self, reason: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(

@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nbresume import knobs
-from nbresume.checkpoint.units import format_duration
-from nbresume.errors import PreflightError, UsageError
+from nbresume.checkpoint.backends import open_store
+from nbresume.checkpoint.state import describe_determinism
+from nbresume.checkpoint.units import format_bytes, format_duration
+from nbresume.errors import NbresumeError, PreflightError, UsageError
 from nbresume.platforms import Platform, detect
 from nbresume.platforms.base import DangerClock
 from nbresume.platforms.cgroup import CpuFacts, MemoryFacts, read_cpu, read_memory
@@ -343,8 +345,6 @@ def check_cuda_build(gpus: list[Gpu], torch: TorchInfo) -> Check:
 def check_gpu_state(query: GpuQueryRun | None, all_gpus: list[Gpu], gpus: list[Gpu]) -> list[Check]:
     """On a GPU machine: free memory and who holds it, the GPU's health, and whether a resume
     continues bit-exactly (see :mod:`nbresume.platforms.nvidia_smi`)."""
-    from nbresume.checkpoint.state import describe_determinism
-
     if query is not None and not all_gpus:
         query.cancel()  # not read: its tools must not run on after the report
     if not all_gpus or query is None:
@@ -405,9 +405,6 @@ def _write_probe(folder: Path) -> str:
 
 def _check_bucket(location: str) -> Check:
     """A Hugging Face bucket: the token may write there (the Hub is asked; nothing written)."""
-    from nbresume.checkpoint.backends import open_store
-    from nbresume.errors import NbresumeError
-
     try:
         open_store(location).check_writable()
     except NbresumeError as exc:
@@ -420,8 +417,6 @@ def check_durable(
 ) -> Check:
     """Whether ``location`` can hold the checkpoints: writable, enough bytes and inodes, and
     on storage that outlives the session."""
-    from nbresume.checkpoint.units import format_bytes
-
     if _is_url(location):
         if location.startswith("memory://"):
             return Check(
@@ -500,8 +495,6 @@ def check_durable(
 
 def check_memory(facts: MemoryFacts) -> Check:
     """The container's memory limit, and whether the kernel already killed for memory."""
-    from nbresume.checkpoint.units import format_bytes
-
     if facts.limit is not None:
         seen = f"limit {format_bytes(facts.limit)}"
         if facts.host_total:
