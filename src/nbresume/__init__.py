@@ -7,6 +7,7 @@ they are used.
 
 from __future__ import annotations
 
+from collections.abc import Callable as _Callable
 from typing import Any
 
 from nbresume import knobs as _knobs
@@ -69,7 +70,18 @@ def _steering() -> _hooks.Steering:
         stop_at_reason=f"the budget of `nbresume check` ({_knobs.STOP_AT_STEP.name})",
         save_every=_knobs.save_every(),
         folder=_knobs.check_dir,
+        saved=_check_notes(),
     )
+
+
+def _check_notes() -> _Callable[[object], None] | None:
+    # A run of `nbresume check`: what each save held is noted, to find where two runs differ.
+    root = _knobs.CHECK_DIR.raw().strip()
+    if not root:
+        return None
+    from nbresume.resumecheck.saves import note_saves
+
+    return note_saves(root)
 
 
 _hooks.provide_steering(_steering)

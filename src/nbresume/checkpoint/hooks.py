@@ -17,8 +17,9 @@ The protocol: nothing under ``checkpoint/`` imports a platform module. The layer
   provider says;
 - how nbresume's own tools steer the loops of a script they run (:func:`provide_steering`:
   ``nbresume smoke`` stops every loop a few steps in, ``nbresume check`` saves every N steps,
-  stops at step N and keeps the checkpoints in folders of its own), which the loop control
-  asks for through :func:`steering`; no provider: no steering.
+  stops at step N, keeps the checkpoints in folders of its own and notes what each save
+  held), which the loop control and the saver ask for through :func:`steering`; no
+  provider: no steering.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class Steering:
     save_every: int | None = None
     #: Where a Checkpointer's folder goes instead (``None``: where the script says).
     folder: Callable[[object], str | None] = field(default=_own_folder)
+    #: Called with each checkpoint a save committed and verified (``nbresume check`` notes
+    #: what it holds, to find the first save where two runs differ); it must not raise.
+    saved: Callable[[object], None] | None = None
 
 
 _session_deadline: Callable[[], tuple[float | None, str]] | None = None

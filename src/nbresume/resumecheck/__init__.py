@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from nbresume.resumecheck import causes, observe
+from nbresume.resumecheck import causes, observe, saves
 from nbresume.resumecheck.compare import (
     KINDS,
     PROGRESS,
@@ -174,6 +174,10 @@ class _Check:
     total: int | None = field(init=False, default=None)
     #: The script's globals that ended differently in the resumed run (name, kind, note).
     globals_differ: list[tuple[str, str, str]] = field(init=False, default_factory=list)
+    #: The first save at which the resumed run differs from the uninterrupted one.
+    first_difference: saves.FirstDifference | None = field(init=False, default=None)
+    #: Every start of the killed run (run 2).
+    legs: list[Leg] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)  # noqa: S311 - when to kill, not security
@@ -230,6 +234,12 @@ class _Check:
             n for n, _, _ in observe.differing(ended, observe.read(again.root), leave_out=set())
         }
         self.globals_differ = observe.differing(ended, observe.read(second.root), leave_out=varies)
+        # What each save held, noted in every run: the first save where the resumed run
+        # left the uninterrupted one (what also differs between runs 1 and 1b left out).
+        self.first_difference = saves.first_difference(
+            saves.read(first.root), saves.read(again.root), saves.read(second.root)
+        )
+        self.legs = second.legs
         return self._report(comparison, noise, killed)
 
     def _uninterrupted(self, work: Path, first: Run, again: Run) -> None:
@@ -354,6 +364,9 @@ class _Check:
             self.say(f"  {difference.line()}")
         for name, kind, note in self.globals_differ:
             self.say(f"  the script's global {name!r} ({kind}): {note}")
+        if self.first_difference is not None:
+            resumes = [leg.resumed_at for leg in self.legs if leg.resumed_at is not None]
+            self.say(self._where_it_begins(self.first_difference, resumes))
         script = _script(self.command)
         shown = script.name if script is not None else "the script"
         verdicts = causes.likely_causes(comparison, _source(script), shown, self.globals_differ)
@@ -372,6 +385,22 @@ class _Check:
             f"--kills {self.kills} -- {shlex.join(self.command)}"
         )
         return 1
+
+    def _where_it_begins(self, found: saves.FirstDifference, resumes: list[int]) -> str:
+        """The line that says from which save on the runs differ, and what differs there."""
+        before = [step for step in resumes if step < found.step]
+        since = (
+            f"{found.step - max(before)} step(s) after run 2 resumed at step {max(before)}"
+            if before
+            else "before run 2 first resumed"
+        )
+        where = f" in {found.folder}/" if found.folder else ""
+        same = (
+            f", every save up to step {found.same_until} is identical" if found.same_until else ""
+        )
+        return (
+            f"  the runs first differ at step {found.step}{where} ({since}{same}): {found.names()}"
+        )
 
     def _not_reproducible(self, baseline: Comparison) -> int:
         self.say("NOT REPRODUCIBLE: two uninterrupted runs already end differently")

@@ -83,6 +83,9 @@ def report_save(
         if report:
             events.emit(ev.FAILED, step, error=str(exc))
         raise
+    noted = hooks.steering().saved  # `nbresume check`: what each save held, noted
+    if noted is not None:
+        noted(info)
     if report:
         seconds = time.monotonic() - started
         cadence.observe_save(seconds)
