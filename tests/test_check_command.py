@@ -205,10 +205,11 @@ def test_by_default_a_short_script_is_checked_to_its_end_and_a_late_difference_i
         for line in out.splitlines()
         if line.startswith("run 2: resumed at step ")
     ]
-    assert resumed and step >= min(resumed), out
+    assert resumed, out
+    assert step >= min(resumed), out
     assert step == 30, out
     assert begins[0].endswith(
-        f"every save up to step 29 is identical): optimizer 'optimizer': param_groups/0/lr"
+        "every save up to step 29 is identical): optimizer 'optimizer': param_groups/0/lr"
     ), out
     # The cause, from what the runs showed: the learning rate, and the global that set it.
     assert "likely cause: a counter in a local variable" in out

@@ -38,18 +38,18 @@ def inductor_folders() -> set[str]:
 
 @pytest.mark.slow  # three training processes, one or two of them compiling
 @pytest.mark.parametrize(
-    ("killed", "resumed"),
+    "route",
     [("eager", None), (None, "eager")],
     ids=["compiled-killed-plain-resumed", "plain-killed-compiled-resumed"],
 )
 def test_a_compiled_model_killed_after_a_save_resumes_bit_exactly_across_compile(
-    run_dir: Path,
     tmp_path: Path,
     resume_rng: SeededRandom,
     reference: Reference,
-    killed: str | None,
-    resumed: str | None,
+    route: tuple[str | None, str | None],
 ) -> None:
+    killed, resumed = route  # the backend of the killed run, and of the run that finishes
+    run_dir = tmp_path / "run"
     before = inductor_folders()
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     target = aim("mid-epoch", 0, TOTAL, resume_rng)
