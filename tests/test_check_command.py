@@ -151,7 +151,7 @@ def test_a_generator_not_given_to_the_checkpointer_is_caught_and_named(
     # From the first resume on, the generator starts over: the very next save differs.
     resumed = int(out.split("run 2: resumed at step ", 1)[1].split(",")[0])
     assert (
-        f"  the runs first differ at step {resumed + 1} (1 step(s) after run 2 resumed at "
+        f"  the runs first differ at step {resumed + 1} (1 step after run 2 resumed at "
         f"step {resumed}, every save up to step {resumed} is identical): model 'model': "
         "0.weight, 0.bias, 2.weight, 2.bias; optimizer 'optimizer': "
     ) in out

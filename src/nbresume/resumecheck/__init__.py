@@ -8,8 +8,9 @@ and started again each time until it ends. The runs cover the
 script's whole run when the uninterrupted runs end within :data:`DEFAULT_COVER_S` seconds;
 otherwise (or with ``steps``) every run stops and saves at the same step N, and the verdict
 says how many steps of how many it covered. The final checkpoints are then read back,
-verified, and compared tensor by tensor and value by value. What differs between the two
-uninterrupted runs too (a random stream the script never seeds nor draws from) is left out;
+verified, and compared tensor by tensor and value by value; where they differ, the notes
+every save left (:mod:`~nbresume.resumecheck.saves`) say from which step on. What differs
+between the two uninterrupted runs too (a random stream the script never seeds nor draws from) is left out;
 what differs only after the kills is reported by kind, with the likely cause and its fix.
 
 Nothing of a check outlives it: however it ends (its result, a failure, Ctrl-C, SIGTERM or
@@ -390,7 +391,7 @@ class _Check:
         """The line that says from which save on the runs differ, and what differs there."""
         before = [step for step in resumes if step < found.step]
         since = (
-            f"{found.step - max(before)} step(s) after run 2 resumed at step {max(before)}"
+            f"{_steps(found.step - max(before))} after run 2 resumed at step {max(before)}"
             if before
             else "before run 2 first resumed"
         )
@@ -416,6 +417,10 @@ class _Check:
         self.say(f"  seen: {evidence}")
         self.say(f"  why: {cause.why}")
         self.say(f"  fix: {cause.fix}")
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" if count == 1 else f"{count} steps"
 
 
 def _script(command: Sequence[str]) -> Path | None:
