@@ -10,8 +10,9 @@ otherwise (or with ``steps``) every run stops and saves at the same step N, and 
 says how many steps of how many it covered. The final checkpoints are then read back,
 verified, and compared tensor by tensor and value by value; where they differ, the notes
 every save left (:mod:`~nbresume.resumecheck.saves`) say from which step on. What differs
-between the two uninterrupted runs too (a random stream the script never seeds nor draws from) is left out;
-what differs only after the kills is reported by kind, with the likely cause and its fix.
+between the two uninterrupted runs too (a random stream the script never seeds nor draws
+from) is left out; what differs only after the kills is reported by kind, with the likely
+cause and its fix.
 
 Nothing of a check outlives it: however it ends (its result, a failure, Ctrl-C, SIGTERM or
 SIGHUP sent to it), the script's process groups are ended, what the script started included
