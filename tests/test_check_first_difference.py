@@ -17,6 +17,7 @@ from torch import nn
 
 import nbresume
 from nbresume import knobs
+from nbresume.checkpoint import hooks
 from nbresume.resumecheck import saves
 
 _stamps = itertools.count()
@@ -35,6 +36,8 @@ def train(
     monkeypatch.setattr(knobs, "_CHECK_FOLDERS", {})
     monkeypatch.setenv(knobs.CHECK_DIR.name, str(root))
     monkeypatch.setenv(knobs.SAVE_EVERY.name, "1")
+    # What `import nbresume` registers in a run of the check (NBRESUME_CHECK_DIR set).
+    monkeypatch.setattr(hooks, "after_save", saves.note_saves(str(root)))
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -7,7 +7,6 @@ they are used.
 
 from __future__ import annotations
 
-from collections.abc import Callable as _Callable
 from typing import Any
 
 from nbresume import knobs as _knobs
@@ -70,27 +69,19 @@ def _steering() -> _hooks.Steering:
         stop_at_reason=f"the budget of `nbresume check` ({_knobs.STOP_AT_STEP.name})",
         save_every=_knobs.save_every(),
         folder=_knobs.check_dir,
-        saved=_check_notes(),
     )
-
-
-def _check_notes() -> _Callable[[object], None] | None:
-    # A run of `nbresume check`: what each save held is noted, to find where two runs differ.
-    root = _knobs.CHECK_DIR.raw().strip()
-    if not root:
-        return None
-    from nbresume.resumecheck.saves import note_saves
-
-    return note_saves(root)
 
 
 _hooks.provide_steering(_steering)
 if _knobs.CHECK_DIR.raw().strip():
     # A run of `nbresume check`: the script's globals are noted at its end, so that the check
     # sees which of them (an environment's own generator, a counter) a resume did not carry.
+    # What each save held is noted too, to find the first save where two runs differ.
     from nbresume.resumecheck.observe import note_at_exit as _note_at_exit
+    from nbresume.resumecheck.saves import note_saves as _note_saves
 
     _note_at_exit(_knobs.CHECK_DIR.raw().strip())
+    _hooks.provide_after_save(_note_saves(_knobs.CHECK_DIR.raw().strip()))
 # A Checkpointer that nothing shows (a plain script without init) shows a status line on stderr.
 
 
