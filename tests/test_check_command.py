@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -132,6 +133,7 @@ def test_the_getting_started_script_resumes_exactly(checks: dict[str, Check]) ->
     assert f"done at step {STEPS}" in out.splitlines()[-3]
     assert out.splitlines()[-2].startswith(f"exact: the final checkpoints (step {STEPS})")
     assert "model, optimizer, RNG (torch), loader position" in out
+    assert "first differ" not in out  # an exact script: no step where a difference begins
     # The budget ended the run before its end, and the verdict says so.
     assert out.splitlines()[-1] == (
         f"covered: the first {STEPS} of 1,000 steps; differences that begin later are not "
@@ -147,6 +149,17 @@ def test_a_generator_not_given_to_the_checkpointer_is_caught_and_named(
     assert code == 1, out
     assert "DIFFERENT: the resumed run did not end as the uninterrupted one" in out
     assert "  model 'model': 4 of 4 differ: 0.weight (by up to" in out
+    # From the first resume on, the generator starts over: the very next save differs.
+    resumed = int(out.split("run 2: resumed at step ", 1)[1].split(",")[0])
+    # (A kill between a save's commit and its note leaves that step unnoted: "up to" the
+    # step before it, then.)
+    assert re.search(
+        rf"^  the runs first differ at step {resumed + 1} \(1 step after run 2 resumed at "
+        rf"step {resumed}, every save up to step \d+ is identical\): model 'model': "
+        r"0\.weight, 0\.bias, 2\.weight, 2\.bias; optimizer 'optimizer': state/0/exp_avg, ",
+        out,
+        re.MULTILINE,
+    ), out
     assert "likely cause: an unsaved random generator" in out
     # Observed: the generator, a global of the script, ended in another state.
     assert "  the script's global 'rng' (numpy Generator): its state differs at the end" in out
@@ -188,6 +201,24 @@ def test_by_default_a_short_script_is_checked_to_its_end_and_a_late_difference_i
     assert "run 1 (uninterrupted, twice side by side): done at step 40" in out
     assert "DIFFERENT: the resumed run did not end as the uninterrupted one" in out
     assert "param_groups/0/lr (0.001 in run 1, 0.01 in run 2)" in out
+    # Where it begins: at step 30, after a resume, when only the learning rate differs.
+    begins = [line for line in out.splitlines() if "the runs first differ at step" in line]
+    assert len(begins) == 1, out
+    step = int(begins[0].split("first differ at step ")[1].split()[0])
+    resumed = [
+        int(line.split()[5].rstrip(","))
+        for line in out.splitlines()
+        if line.startswith("run 2: resumed at step ")
+    ]
+    assert resumed, out
+    assert step >= min(resumed), out
+    # Step 30, where only the learning rate differs (31 where a kill left 30 unnoted).
+    assert step in (30, 31), out
+    assert re.search(
+        r"\(\d+ steps? after run 2 resumed at step \d+, every save up to step \d+ is "
+        r"identical\): (model 'model': weight, bias; )?optimizer 'optimizer': param_groups/0/lr$",
+        begins[0],
+    ), out
     # The cause, from what the runs showed: the learning rate, and the global that set it.
     assert "likely cause: a counter in a local variable" in out
     assert "local_counter.py's global `trained` (40 in run 1, " in out
@@ -223,6 +254,7 @@ def test_a_long_script_is_checked_on_a_budget_and_the_verdict_says_what_it_cover
     ) in out
     assert code == 0, out
     assert "exact: the final checkpoints (step 20) are bit-identical" in out
+    assert "first differ" not in out
 
 
 @pytest.mark.slow

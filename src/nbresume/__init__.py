@@ -76,9 +76,12 @@ _hooks.provide_steering(_steering)
 if _knobs.CHECK_DIR.raw().strip():
     # A run of `nbresume check`: the script's globals are noted at its end, so that the check
     # sees which of them (an environment's own generator, a counter) a resume did not carry.
+    # What each save held is noted too, to find the first save where two runs differ.
     from nbresume.resumecheck.observe import note_at_exit as _note_at_exit
+    from nbresume.resumecheck.saves import note_saves as _note_saves
 
     _note_at_exit(_knobs.CHECK_DIR.raw().strip())
+    _hooks.provide_after_save(_note_saves(_knobs.CHECK_DIR.raw().strip()))
 # A Checkpointer that nothing shows (a plain script without init) shows a status line on stderr.
 
 

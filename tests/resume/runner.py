@@ -107,11 +107,13 @@ def train(
     delay: float = 0.0,
     to_group: bool | None = None,
     repeat: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> Run:
     """Run ``train_cnn.py folder total *options`` to its end. When ``trigger`` first returns
     True, wait ``delay`` seconds and send ``signum`` (SIGKILL goes to the whole process group
     unless ``to_group`` says otherwise; other signals to the main process only); with
-    ``repeat``, send it a second time that many seconds later."""
+    ``repeat``, send it a second time that many seconds later. ``env``: more variables for
+    the child."""
     argv = [sys.executable, str(TRAIN), str(folder), str(total), "--trace", *options]
     run = Run(argv)
     group = signum == signal.SIGKILL if to_group is None else to_group
@@ -124,7 +126,7 @@ def train(
             text=True,
             # Its DataLoader workers, killed with it, leave multiprocessing's temporary
             # folders behind: beside the run's folder, not in /tmp.
-            env={**CHILD_ENV, "TMPDIR": str(folder.parent)},
+            env={**CHILD_ENV, "TMPDIR": str(folder.parent), **(env or {})},
             start_new_session=True,
         )
 

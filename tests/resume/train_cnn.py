@@ -1,14 +1,16 @@
 """A small but complete training run used to prove bit-exact resume.
 
 Usage: python train_cnn.py DIR TOTAL_STEPS [--every N] [--workers N] [--deadline S]
-        [--mode steps|epochs] [--sync] [--trace] [--out FILE]
+        [--mode steps|epochs] [--sync] [--trace] [--out FILE] [--compile BACKEND]
 
 Small CNN with dropout, AdamW, a OneCycle LR schedule, gradient clipping, a shuffled
 DataLoader with worker processes and random augmentation inside the Dataset. Prints one line
 per completed step ("step N") and, at the end, the SHA-256 of all parameters and optimizer
 state ("final <hash>"), also written to --out. With --trace it also prints every event of
 the Checkpointer except "step" ("event save_started 10", "event verified 10", ...), through
-the public ``callbacks=`` API, so that a test can act at a known point of a save.
+the public ``callbacks=`` API, so that a test can act at a known point of a save. With
+--compile the model is trained as ``torch.compile(model, backend=BACKEND)`` (its state's names
+carry ``_orig_mod.``; the hash is of the plain names, so compiled and plain runs compare).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def say(line: str) -> None:
 def state_hash(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
+        digest.update(name.removeprefix("_orig_mod.").encode())
         digest.update(tensor.detach().contiguous().numpy().tobytes())
     for index, state in sorted(optimizer.state_dict()["state"].items()):
         for key, tensor in sorted(state.items()):
@@ -82,6 +84,7 @@ def main() -> int:
     parser.add_argument("--sync", action="store_true")
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--compile", default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -92,6 +95,8 @@ def main() -> int:
         nn.Conv2d(1, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
         nn.Flatten(), nn.Linear(8 * 5 * 5, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4),
     )  # fmt: skip
+    if args.compile:
+        model = torch.compile(model, backend=args.compile)  # type: ignore[assignment]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     loader = DataLoader(NoisyDigits(), batch_size=8, shuffle=True, num_workers=args.workers)
     steps_per_epoch = len(loader)

@@ -18,7 +18,10 @@ The protocol: nothing under ``checkpoint/`` imports a platform module. The layer
 - how nbresume's own tools steer the loops of a script they run (:func:`provide_steering`:
   ``nbresume smoke`` stops every loop a few steps in, ``nbresume check`` saves every N steps,
   stops at step N and keeps the checkpoints in folders of its own), which the loop control
-  asks for through :func:`steering`; no provider: no steering.
+  asks for through :func:`steering`; no provider: no steering;
+- what is done with each checkpoint a save committed (:func:`provide_after_save`: in a run
+  of ``nbresume check``, what it holds is noted), which the saver calls as
+  :data:`after_save`; ``None``: nothing.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ _steering: Callable[[], Steering] | None = None
 after_stop_save: Callable[[int, int], object] | None = None
 
 
+#: ``after_save(info)``: called with each checkpoint a save committed and verified, in the
+#: thread that saved it, before the save is reported (in a run of ``nbresume check``, what it
+#: holds is noted, to find the first save where two runs differ). It must not raise.
+after_save: Callable[[object], None] | None = None
+
+
 def provide_session_deadline(provider: Callable[[], tuple[float | None, str]] | None) -> None:
     """Register ``provider() -> (unix time or None, what the limit is called)``."""
     global _session_deadline  # noqa: PLW0603 -- this module is the registry
@@ -78,6 +87,12 @@ def provide_after_stop_save(action: Callable[[int, int], object] | None) -> None
     """Register the action after a stop-save on a signal."""
     global after_stop_save  # noqa: PLW0603 -- this module is the registry
     after_stop_save = action
+
+
+def provide_after_save(action: Callable[[object], None] | None) -> None:
+    """Register the action after each save (called with its ``CheckpointInfo``)."""
+    global after_save  # noqa: PLW0603 -- this module is the registry
+    after_save = action
 
 
 def provide_usable_cpus(provider: Callable[[], int | None] | None) -> None:

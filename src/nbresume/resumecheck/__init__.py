@@ -8,9 +8,11 @@ and started again each time until it ends. The runs cover the
 script's whole run when the uninterrupted runs end within :data:`DEFAULT_COVER_S` seconds;
 otherwise (or with ``steps``) every run stops and saves at the same step N, and the verdict
 says how many steps of how many it covered. The final checkpoints are then read back,
-verified, and compared tensor by tensor and value by value. What differs between the two
-uninterrupted runs too (a random stream the script never seeds nor draws from) is left out;
-what differs only after the kills is reported by kind, with the likely cause and its fix.
+verified, and compared tensor by tensor and value by value; where they differ, the notes
+every save left (:mod:`~nbresume.resumecheck.saves`) say from which step on. What differs
+between the two uninterrupted runs too (a random stream the script never seeds nor draws
+from) is left out; what differs only after the kills is reported by kind, with the likely
+cause and its fix.
 
 Nothing of a check outlives it: however it ends (its result, a failure, Ctrl-C, SIGTERM or
 SIGHUP sent to it), the script's process groups are ended, what the script started included
@@ -31,7 +33,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from nbresume.resumecheck import causes, observe
+from nbresume.resumecheck import causes, observe, saves
 from nbresume.resumecheck.compare import (
     KINDS,
     PROGRESS,
@@ -174,6 +176,10 @@ class _Check:
     total: int | None = field(init=False, default=None)
     #: The script's globals that ended differently in the resumed run (name, kind, note).
     globals_differ: list[tuple[str, str, str]] = field(init=False, default_factory=list)
+    #: The first save at which the resumed run differs from the uninterrupted one.
+    first_difference: saves.FirstDifference | None = field(init=False, default=None)
+    #: Every start of the killed run (run 2).
+    legs: list[Leg] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)  # noqa: S311 - when to kill, not security
@@ -230,6 +236,12 @@ class _Check:
             n for n, _, _ in observe.differing(ended, observe.read(again.root), leave_out=set())
         }
         self.globals_differ = observe.differing(ended, observe.read(second.root), leave_out=varies)
+        # What each save held, noted in every run: the first save where the resumed run
+        # left the uninterrupted one (what also differs between runs 1 and 1b left out).
+        self.first_difference = saves.first_difference(
+            saves.read(first.root), saves.read(again.root), saves.read(second.root)
+        )
+        self.legs = second.legs
         return self._report(comparison, noise, killed)
 
     def _uninterrupted(self, work: Path, first: Run, again: Run) -> None:
@@ -354,6 +366,9 @@ class _Check:
             self.say(f"  {difference.line()}")
         for name, kind, note in self.globals_differ:
             self.say(f"  the script's global {name!r} ({kind}): {note}")
+        if self.first_difference is not None:
+            resumes = [leg.resumed_at for leg in self.legs if leg.resumed_at is not None]
+            self.say(self._where_it_begins(self.first_difference, resumes))
         script = _script(self.command)
         shown = script.name if script is not None else "the script"
         verdicts = causes.likely_causes(comparison, _source(script), shown, self.globals_differ)
@@ -373,6 +388,22 @@ class _Check:
         )
         return 1
 
+    def _where_it_begins(self, found: saves.FirstDifference, resumes: list[int]) -> str:
+        """The line that says from which save on the runs differ, and what differs there."""
+        before = [step for step in resumes if step < found.step]
+        since = (
+            f"{_steps(found.step - max(before))} after run 2 resumed at step {max(before)}"
+            if before
+            else "before run 2 first resumed"
+        )
+        where = f" in {found.folder}/" if found.folder else ""
+        same = (
+            f", every save up to step {found.same_until} is identical" if found.same_until else ""
+        )
+        return (
+            f"  the runs first differ at step {found.step}{where} ({since}{same}): {found.names()}"
+        )
+
     def _not_reproducible(self, baseline: Comparison) -> int:
         self.say("NOT REPRODUCIBLE: two uninterrupted runs already end differently")
         for difference in baseline.differences:
@@ -387,6 +418,10 @@ class _Check:
         self.say(f"  seen: {evidence}")
         self.say(f"  why: {cause.why}")
         self.say(f"  fix: {cause.fix}")
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" if count == 1 else f"{count} steps"
 
 
 def _script(command: Sequence[str]) -> Path | None:

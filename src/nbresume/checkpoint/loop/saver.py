@@ -83,6 +83,8 @@ def report_save(
         if report:
             events.emit(ev.FAILED, step, error=str(exc))
         raise
+    if hooks.after_save is not None:  # `nbresume check`: what each save held, noted
+        hooks.after_save(info)
     if report:
         seconds = time.monotonic() - started
         cadence.observe_save(seconds)
