@@ -1,13 +1,16 @@
-"""One training run hopping platforms through one bucket URL, on the same three places as the
-copy route's test (:mod:`hopping.test_hopping`, whose legs this reuses): a simulated Colab
+"""One training run hopping platforms, as docs/platforms/hopping.md tells it, by both routes: by a
+copy per hop (``nbresume push`` to a Kaggle dataset, ``pull`` onto the box, ``pull`` home), and
+through one bucket URL. The three places (:mod:`hopping.legs`): a simulated Colab
 (one process), a fake Kaggle batch run on two processes (torchrun, gloo on CPU, Internet on),
 a real sshd on loopback standing in for a rented box (one process). Every leg's folder is the
 same ``hf://buckets`` URL on the stand-in Hub: nothing is pushed or pulled between legs, each
 continues from the newest checkpoint the bucket confirms, and ``nbresume pull`` brings the
 finished run home from the bucket, verified.
 
-The journey by a copy per hop runs first, in the same test: the bucket's journey ends with the
-same weights after each leg, and the same final ``model.safetensors`` bit for bit.
+The journey by a copy per hop runs first: every move verified, and what the guide shows each
+command print is what it printed. The bucket's journey ends with the same weights after each
+leg, and the same final ``model.safetensors`` bit for bit: the same legs run twice, through
+other stores, end with the same bits.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 
 from colab.conftest import Colab, colab  # noqa: F401  (fixtures, used by name)
 from hopping.conftest import kaggle_site, net_log  # noqa: F401
-from hopping.test_hopping import COLAB_STOP, KAGGLE_STOP, TOTAL, World, hop
+from hopping.legs import COLAB_STOP, KAGGLE_STOP, TOTAL, World, check_guide, hop
 from kaggle.fake_kaggle import FakeKaggle
 from nbresume.checkpoint.format import step_dirname
 from remote.conftest import SshServer, child_env, ssh_keys, sshd  # noqa: F401
@@ -52,7 +55,7 @@ def reach(
 
 
 @pytest.mark.slow
-def test_bucket_hop_from_colab_to_kaggle_s_two_processes_to_an_ssh_box_ends_as_by_copies(
+def test_one_run_hops_from_colab_to_kaggle_s_two_processes_to_an_ssh_box_by_copies_and_by_bucket(
     reach: tuple[HubStandIn, dict[str, str]],
     colab: Colab,  # noqa: F811
     kaggle_site: FakeKaggle,  # noqa: F811
@@ -66,6 +69,29 @@ def test_bucket_hop_from_colab_to_kaggle_s_two_processes_to_an_ssh_box_ends_as_b
     world = World(colab.tmp, colab, kaggle_site, sshd, child_env)
 
     by_copies = hop(world, "hop-demo")
+    # Each leg resumed from the previous leg's last checkpoint and stopped where its session
+    # ended; the last one finished the training.
+    steps = [(step, state) for step, state, _ in by_copies.finals]
+    assert steps == [
+        (COLAB_STOP, "to be continued"),
+        (KAGGLE_STOP, "to be continued"),
+        (TOTAL, "the training is done"),
+    ]
+    # Every move verified: the push copied and checked the checkpoint before uploading it,
+    # Kaggle's nbresume.init verified it again as it seeded /kaggle/working, the pulls checked
+    # every file against its manifest.
+    push = by_copies.said["push"][1]
+    assert f"OK    {COLAB_STOP:012d}" in push, push
+    assert "verified" in push, push
+    assert "OK 3/3" in by_copies.said["pull-kaggle"][1], by_copies.said["pull-kaggle"][1]
+    assert "the remote copy is safe to tear down" in by_copies.said["pull-home"][1]
+    assert by_copies.home_copy is not None
+    assert sorted(p.name for p in by_copies.home_copy.iterdir() if p.name.isdigit()) == [
+        f"{s:012d}" for s in (KAGGLE_STOP, 20, TOTAL)
+    ]
+    # What the guide shows each command print is what these commands printed.
+    check_guide(world, by_copies)
+
     through_bucket = hop(world, "hop-bucket", URL)
 
     # Each leg continued from the previous leg's newest checkpoint in the bucket (the legs

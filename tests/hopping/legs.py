@@ -2,12 +2,12 @@
 Colab (one process, checkpoints on Drive), a second as a Kaggle batch run on two processes
 (torchrun, gloo on CPU), a third on an SSH box (one process), and every move of the checkpoint
 verified: ``nbresume push`` from Colab to a Kaggle dataset, ``nbresume pull owner/slug`` from
-Kaggle onto the box, ``nbresume pull ssh://...`` from the box home.
+Kaggle onto the box, ``nbresume pull ssh://...`` from the box home. With a bucket URL, every leg
+uses that one URL instead and nothing is copied between legs.
 
 Each place is the real part a user meets, with Google's and Kaggle's servers simulated on
 loopback; the box is this machine behind a real sshd, its commands sent through ``ssh``. The
-same legs run twice end with the same bits, and what the guide shows each command print is
-what the first journey printed.
+legs are run by the test in :mod:`hub.test_bucket_hop`: by copies, then through a bucket.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pytest
 
 from colab.conftest import Colab
 from kaggle.conftest import NETGUARD
@@ -275,52 +273,6 @@ def hop(world: World, name: str, bucket: str | None = None) -> Journey:
     run_url = ssh_leg(world, journey, kernel, bucket)
     home_pull(world, journey, run_url)
     return journey
-
-
-# -- the test ----------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_one_run_hops_from_colab_to_kaggle_s_two_processes_to_an_ssh_box(
-    tmp_path: Path,
-    colab: Colab,
-    kaggle_site: FakeKaggle,
-    sshd: SshServer,
-    child_env: dict[str, str],
-) -> None:
-    world = World(tmp_path, colab, kaggle_site, sshd, child_env)
-    first = hop(world, "hop-demo")
-
-    # Each leg resumed from the previous leg's last checkpoint and stopped where its session
-    # ended; the last one finished the training.
-    steps = [(step, state) for step, state, _ in first.finals]
-    assert steps == [
-        (COLAB_STOP, "to be continued"),
-        (KAGGLE_STOP, "to be continued"),
-        (TOTAL, "the training is done"),
-    ]
-    # Every move verified: the push copied and checked the checkpoint before uploading it,
-    # Kaggle's nbresume.init verified it again as it seeded /kaggle/working, the pulls checked
-    # every file against its manifest.
-    push = first.said["push"][1]
-    assert f"OK    {COLAB_STOP:012d}" in push, push
-    assert "verified" in push, push
-    assert "OK 3/3" in first.said["pull-kaggle"][1], first.said["pull-kaggle"][1]
-    assert "the remote copy is safe to tear down" in first.said["pull-home"][1]
-    assert first.home_copy is not None
-    assert sorted(p.name for p in first.home_copy.iterdir() if p.name.isdigit()) == [
-        f"{s:012d}" for s in (KAGGLE_STOP, 20, TOTAL)
-    ]
-
-    # The same legs again, in a run of their own: the same bits at the end.
-    second = hop(world, "hop-again")
-    assert [f[2] for f in second.finals] == [f[2] for f in first.finals]
-    assert second.home_copy is not None
-    model = f"{TOTAL:012d}/model.safetensors"
-    assert (first.home_copy / model).read_bytes() == (second.home_copy / model).read_bytes()
-
-    # What the guide shows each command print is what these commands printed.
-    check_guide(world, first)
 
 
 def check_guide(world: World, journey: Journey) -> None:
