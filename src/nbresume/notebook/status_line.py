@@ -62,7 +62,7 @@ class StatusLine:
         self._lock = forksafe.lock()
         self._width = 0  # length of the live line now on screen
         self._throttle = Throttle(interval, self._progress)
-        self._said: dict[int, str] = {}  # the state last logged for each step
+        self._said: dict[int, str] = {}  # what was last logged of each step's state
         self._input_bound_said = False  # the advice for an input-bound run is given once
 
     @property
@@ -167,9 +167,14 @@ class StatusLine:
         view = snap.last if snap.last is not None and snap.last.step == step else None
         if snap.failed is not None and snap.failed.step == step:
             view = snap.failed
-        if view is None or self._said.get(step) == view.state:
+        if view is None:
             return
-        self._said[step] = view.state
+        # A state is logged once, and again when its detail changes: how much of the checkpoint
+        # the store confirms ("3 of 5 files") is the progress of its upload.
+        said = f"{view.state}: {view.detail}" if view.state != SAVED else view.state
+        if self._said.get(step) == said:
+            return
+        self._said[step] = said
         if view.state == FAILED and view is snap.failed:
             self._log(f"saving step {step:,} FAILED: {view.detail}; {snap.at_risk.text(snap.now)}")
         else:

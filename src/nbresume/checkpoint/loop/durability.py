@@ -62,14 +62,16 @@ log = logging.getLogger("nbresume")
 class DurabilityWatcher:
     """Polls the store about checkpoints that verified locally until each one is durable.
 
-    Emits ``syncing`` when a checkpoint starts being watched and whenever its state changes,
-    and ``durable`` once the store confirms it. Checkpoints that disappear (retention, a newer
+    Emits ``syncing`` when a checkpoint starts being watched and whenever what the store says
+    of it changes (its state, or how much of it the store confirms: "3 of 5 files"), and
+    ``durable`` once the store confirms it. Checkpoints that disappear (retention, a newer
     copy of the same step) are dropped silently.
     """
 
     def __init__(self, store: CheckpointStore, events: ev.EventBus) -> None:
         self.store = store
         self.events = events
+        #: step -> (the checkpoint, what the store last said of it, since when it is watched)
         self._pending: dict[int, tuple[CheckpointInfo, str, float]] = {}
         self._claimed: set[int] = set()  # id() of checkpoints being confirmed (see _claim)
         self._lock = forksafe.lock()
@@ -93,15 +95,16 @@ class DurabilityWatcher:
                     target=self._run, name="nbresume-durability", daemon=True
                 )
                 self._thread.start()
+        waiting = f"verified where it was written; waiting for {self.store.backend.store_name}"
         self.events.emit(ev.SYNCING, info.step, location=info.location, state=SYNCING,
-                         reason="verified in the local cache; waiting for the upload")  # fmt: skip
+                         reason=f"{waiting} to confirm it")  # fmt: skip
 
     def check_now(self) -> None:
         """Ask the store about every pending checkpoint now (rather than at the next poll)."""
         with self._lock:
             pending = list(self._pending.values())
-        for info, last_state, since in pending:
-            self._check(info, last_state, since)
+        for info, last_said, since in pending:
+            self._check(info, last_said, since)
 
     def close(self) -> None:
         self._closed = True
@@ -122,7 +125,7 @@ class DurabilityWatcher:
                     self._thread = None
                     return
 
-    def _check(self, info: CheckpointInfo, last_state: str, since: float) -> None:
+    def _check(self, info: CheckpointInfo, last_said: str, since: float) -> None:
         try:
             folders = self.store.backend.list_folders()
         except StorageError:
@@ -143,11 +146,12 @@ class DurabilityWatcher:
                 finally:
                     self._drop(info)
             return
-        if durability.state != last_state:
+        said = str(durability)  # the state and its reason: progress is news too
+        if said != last_said:
             with self._lock:
                 if self._pending.get(info.step, (None,))[0] is not info:
                     return
-                self._pending[info.step] = (info, durability.state, since)
+                self._pending[info.step] = (info, said, since)
             self.events.emit(ev.SYNCING, info.step, location=info.location,
                              state=durability.state, reason=durability.reason)  # fmt: skip
 
