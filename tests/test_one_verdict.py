@@ -17,12 +17,12 @@ Lightning documents, what a checkpoint can make a reader allocate), the counters
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
