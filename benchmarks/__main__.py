@@ -68,7 +68,7 @@ MODES: dict[str, dict[str, Any]] = {
         "loop": {**REFERENCE_LOOP, "every": 16, "pairs": 12},
         "kills": 8, "kill": {"mb": 10, "every": 5, "window": 1.0},
         "resume": {"mb": 200, "steps": 2, "more": 2, "reps": 3},
-        "restore": {"sizes": [20, 200], "reps": 3},
+        "restore": {"sizes": [20, 200], "reps": 5},
         "io": {"sizes": [50, 500], "reps": 3},
         "preflight": {"reps": 3},
         "trainable": {"layers": 16, "dim": 2048, "rank": 16, "reps": 3},
