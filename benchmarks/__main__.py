@@ -68,7 +68,7 @@ MODES: dict[str, dict[str, Any]] = {
         "loop": {**REFERENCE_LOOP, "every": 16, "pairs": 12},
         "kills": 8, "kill": {"mb": 10, "every": 5, "window": 1.0},
         "resume": {"mb": 200, "steps": 2, "more": 2, "reps": 3},
-        "restore": {"sizes": [20, 200], "reps": 3},
+        "restore": {"sizes": [20, 200], "reps": 5},
         "io": {"sizes": [50, 500], "reps": 3},
         "preflight": {"reps": 3},
         "trainable": {"layers": 16, "dim": 2048, "rank": 16, "reps": 3},
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tools", help="comma-separated subset, e.g. 'nbresume,DCP async'")
     parser.add_argument("--suites", help=f"comma-separated subset of {','.join(SUITES)}")
+    parser.add_argument("--restore-sizes", help="the restore suite's state sizes in MB, "
+                        "comma-separated (e.g. 2000: the largest alone); needs --out")  # fmt: skip
     parser.add_argument("--dir", type=Path, help="scratch folder on the disk to measure "
                         "(default: the system's temporary folder)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write results and plots here and leave "
@@ -194,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         given = sys.argv[1:] if argv is None else argv
         return gpu.main(args.out, args.dir, " ".join(["python -m benchmarks", *given]))
     config = MODES[name]
+    if args.restore_sizes:
+        sizes = [int(mb) for mb in args.restore_sizes.split(",")]
+        config = {**config, "restore": {**config["restore"], "sizes": sizes}}
     tools = TOOLS
     if args.tools:
         wanted = [t.strip() for t in args.tools.split(",")]
@@ -204,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     suites = SUITES if not args.suites else tuple(s.strip() for s in args.suites.split(","))
     if set(suites) - set(SUITES):
         parser.error(f"unknown suites {sorted(set(suites) - set(SUITES))}; known: {SUITES}")
-    if not args.out and (name == "tiny" or args.suites or args.tools):
-        parser.error("--tiny, --suites and --tools need --out: the published results come "
-                     "from one whole run of every suite")  # fmt: skip
+    if not args.out and (name == "tiny" or args.suites or args.tools or args.restore_sizes):
+        parser.error("--tiny, --suites, --tools and --restore-sizes need --out: the published "
+                     "results come from one whole run of every suite")  # fmt: skip
 
     started = time.monotonic()
     scratch = Path(tempfile.mkdtemp(prefix="nbresume-bench-", dir=args.dir))

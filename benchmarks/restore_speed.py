@@ -5,10 +5,12 @@ loader saves once: ``torch.save`` (restored with ``torch.load(weights_only=True)
 ``load_state_dict``), safetensors (``load_file`` of two files, mapped copy-on-write, nothing
 checked) and nbresume (``Checkpointer.restore()``: every byte hashed and checked). Then, in
 fresh processes forked from the zygote, with the loaders interleaved in each round, each
-builds the model and optimizer as a resumed script would and is timed from the start of its
-restore to the end of the first optimizer step after it: the point where training runs again
-(a mapped file's pages are copied when that step first writes them, so a restore alone would
-flatter it). **Cold**: the checkpoint's pages dropped from the page cache first; **warm**:
+builds the model and optimizer as a resumed script would (and takes one step of a small
+throwaway model, so that a process's first-step costs are not the restore's), and is timed
+from the start of its restore to the end of the first optimizer step after it: the point
+where training runs again (a mapped file's pages are copied when that step first writes
+them, so a restore alone would flatter it). **Cold**: the checkpoint's pages dropped from the
+page cache first (``posix_fadvise(DONTNEED)`` per file, which needs no privilege); **warm**:
 the same restore again with its files in the page cache. Medians of ``reps`` rounds; the
 ratio is nbresume's time over the faster of the two others.
 """
@@ -49,6 +51,7 @@ def load_child(args: dict[str, Any]) -> dict[str, Any]:
     tool = LOADERS[args["tool"]]
     tool.import_library()
     model, optimizer, _ = build_state(args["mb"], seed=1)
+    _warm_up()
     session = tool.open(Path(args["folder"]), model, optimizer)
     start = time.perf_counter()
     step = session.restore()
@@ -59,6 +62,18 @@ def load_child(args: dict[str, Any]) -> dict[str, Any]:
     if step != 1:
         return {"error": f"restored step {step}, expected 1"}
     return {"restore_s": restored - start, "until_step_s": stepped - start}
+
+
+def _warm_up() -> None:
+    """One optimizer step of a small throwaway model, before the clock starts: what any first
+    step in a process pays once (autograd's threads, the allocator's first pages, the kernels'
+    dispatch) is paid here, the same for every loader, so that the first step timed is the
+    restored state's own (untimed, it varied from 0.07 s to 1.5 s between identical runs)."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train_step(model, optimizer, 0)
 
 
 def run(zygote: Zygote, settings: dict[str, Any], scratch: Path, log: Any) -> dict[str, Any]:

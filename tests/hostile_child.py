@@ -10,7 +10,9 @@ operation runs in turn:
 - ``restore DIR``: ``Checkpointer(DIR, model=..., optimizer=...).restore()`` of :func:`build`;
 - ``restore-plain DIR``: the same with :func:`build_plain_fsdp2` (a run two FSDP2 ranks saved);
 - ``load DIR``: ``CheckpointStore(DIR).load()`` (what Lightning's ``CheckpointIO`` loads);
-- ``pull SRC:DST``: ``nbresume pull SRC DST``.
+- ``pull SRC:DST``: ``nbresume pull SRC DST``;
+- ``push DIR``: ``nbresume push DIR --kaggle-dataset $KAGGLE_USERNAME/nbresume-verdict``, to
+  the Kaggle the environment points the kaggle client at (the tests' fake one, on loopback).
 
 Prints one JSON line: for each operation its exit status or result, what it printed and the
 warnings it gave; then the peak resident memory, and the resident memory right after the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import resource
 import sys
 import warnings
@@ -83,6 +86,9 @@ def run(op: str, arg: str) -> dict[str, Any]:
             elif op == "pull":
                 src, dst = arg.split(":")
                 result = main(["pull", src, dst])
+            elif op == "push":
+                dataset = f"{os.environ['KAGGLE_USERNAME']}/nbresume-verdict"
+                result = main(["push", arg, "--kaggle-dataset", dataset])
             elif op == "hf":
                 import nbresume.hf
 
@@ -118,6 +124,10 @@ def status(field: str) -> int:
 
 
 def main() -> None:
+    # This file's folder is no place to import from: its kaggle/ (the tests' own) would hide
+    # the kaggle client that push imports.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     # torch's own share comes first: a CUDA build maps gigabytes of libraries (3.2 GB against
     # 0.6 GB for a CPU build), which says nothing of what a folder makes a reader allocate.
     import torch  # noqa: F401

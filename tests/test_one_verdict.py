@@ -3,7 +3,8 @@
 Each folder holds an older checkpoint that is good and a newer one that is damaged (or, for
 the control rows, intact). Every reader a user runs on such a folder (``nbresume verify``,
 ``restore()``, ``CheckpointStore.load`` (what push and Lightning's ``CheckpointIO`` read
-through), ``nbresume pull``, ``nbresume.hf.last_checkpoint``, the Lightning reader) runs on it
+through), ``nbresume pull``, ``nbresume push`` (to a fake Kaggle on loopback),
+``nbresume.hf.last_checkpoint``, the Lightning reader) runs on it
 in one bounded child process per kind of folder, and each reader's verdict on the newer
 checkpoint is read from what it did: it took it (``OK``) or passed it over (``passed over``:
 failed it naming it, took the older one, or refused it when it was the only one). Every row
@@ -16,18 +17,20 @@ Lightning documents, what a checkpoint can make a reader allocate), the counters
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from tests.distributed.test_sharded import SHARDED_DAMAGES, Cluster, assert_ended_well
+from tests.kaggle.fake_kaggle import FakeKaggle
 from tests.test_hostile_folders import (
     BUDGET,
     CHILD,
@@ -49,16 +52,29 @@ from nbresume.pull import SAFE_LINE
 
 pytestmark = pytest.mark.slow
 
+#: What every process a push test starts loads: it refuses any connection off loopback.
+NETGUARD = Path(__file__).parent / "kaggle" / "netguard"
+
 OK, PASSED_OVER = "OK", "passed over"
 INTACT = "intact (the control)"
 
 
-def run_ops(ops: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """The reports of ``ops`` run in one child of bounded memory (``hostile_child.py``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(CHILD.parent.parent / "src"), env.get("PYTHONPATH", "")]
-    )
+def run_ops(
+    ops: list[tuple[str, str]], kaggle: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """The reports of ``ops`` run in one child of bounded memory (``hostile_child.py``);
+    ``kaggle``: the environment that points a push at the fake Kaggle (:func:`kaggle_env`)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("NBRESUME_", "KAGGLE_"))
+        and k.lower() not in ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
+    }
+    paths = [str(CHILD.parent.parent / "src"), env.get("PYTHONPATH", "")]
+    if kaggle is not None:
+        env.update(kaggle)
+        paths.insert(0, str(NETGUARD))  # nothing the child does leaves loopback
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     done = subprocess.run(
         [sys.executable, str(CHILD), str(BUDGET), *[part for op in ops for part in op]],
         capture_output=True,
@@ -90,6 +106,13 @@ def verdict(report: dict[str, Any], good: tuple[int, str], newer: tuple[int, str
             return OK
         if result == 1 and f"FAIL  {newer[1]}" in text and f"OK    {good[1]}" in text:
             return PASSED_OVER
+    elif op == "push":
+        uploaded = "uploaded as a new version" in report["out"]
+        if result == 0 and uploaded and f"continues from step {newer[0]}" in report["out"]:
+            return OK
+        refused = f"checkpoint {newer[0]} ({name}) does not verify" in text
+        if result == 1 and refused and f"pass --step {good[0]}" in text and not uploaded:
+            return PASSED_OVER  # never the older step in its place, unless --step asks
     elif op in ("restore", "restore-plain", "load"):
         if result == newer[0]:
             return OK
@@ -114,6 +137,29 @@ def check_table(rows: dict[str, list[str]]) -> None:
         if set(verdicts) != {OK if name == INTACT else PASSED_OVER}
     }
     assert not wrong, "\n".join(f"{name}: {verdicts}" for name, verdicts in wrong.items())
+
+
+@pytest.fixture(scope="module")
+def kaggle_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A fake Kaggle on loopback that ``push`` uploads to, and the environment that points the
+    real kaggle client at it behind the tests' network guard; afterwards, nothing tried to
+    leave loopback."""
+    if importlib.util.find_spec("kaggle") is None:
+        pytest.skip("push needs the kaggle client: pip install 'nbresume[kaggle]'")
+    folder = tmp_path_factory.mktemp("kaggle")
+    server = FakeKaggle(folder / "server")
+    server.sitecustomize_dir = NETGUARD
+    server.start()
+    log = folder / "refused-connections.log"
+    log.touch()
+    (folder / "config").mkdir()
+    env = {**server.client_env(folder / "config"), "NBRESUME_TEST_NET_LOG": str(log)}
+    try:
+        yield env
+    finally:
+        server.stop()
+    assert log.read_text() == "", "a push tried to leave loopback"
+    assert server.violations == [], server.violations
 
 
 # -- a Checkpointer's run ---------------------------------------------------------------------
@@ -165,7 +211,7 @@ RUN_DAMAGES: dict[str, Callable[[Path], Any]] = {
 
 
 def test_every_reader_gives_a_checkpointer_s_run_the_same_verdict(
-    run_template: Path, tmp_path: Path
+    run_template: Path, kaggle_env: dict[str, str], tmp_path: Path
 ) -> None:
     ops, rows = [], list(RUN_DAMAGES)
     for index, name in enumerate(rows):
@@ -173,11 +219,12 @@ def test_every_reader_gives_a_checkpointer_s_run_the_same_verdict(
         RUN_DAMAGES[name](run / "000000000020")
         ops += [("verify", str(run)), ("restore", str(run)), ("load", str(run))]
         ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
-    reports = run_ops(ops)
+        ops.append(("push", str(run)))
+    reports = run_ops(ops, kaggle_env)
     good, newer = (10, "000000000010"), (20, "000000000020")
     check_table(
         {
-            name: [verdict(r, good, newer) for r in reports[4 * index : 4 * index + 4]]
+            name: [verdict(r, good, newer) for r in reports[5 * index : 5 * index + 5]]
             for index, name in enumerate(rows)
         }
     )
@@ -218,7 +265,7 @@ def sharded_object_unknown(folder: Path) -> None:
 
 
 def test_every_reader_gives_a_sharded_run_the_same_verdict(
-    sharded_template: Path, tmp_path: Path
+    sharded_template: Path, kaggle_env: dict[str, str], tmp_path: Path
 ) -> None:
     damages: dict[str, Callable[[Path], Any]] = {
         INTACT: lambda folder: None,
@@ -232,11 +279,12 @@ def test_every_reader_gives_a_sharded_run_the_same_verdict(
         damages[name](run / "000000000003")
         ops += [("verify", str(run)), ("restore-plain", str(run)), ("load", str(run))]
         ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
-    reports = run_ops(ops)
+        ops.append(("push", str(run)))
+    reports = run_ops(ops, kaggle_env)
     good, newer = (2, "000000000002"), (3, "000000000003")
     check_table(
         {
-            name: [verdict(r, good, newer) for r in reports[4 * index : 4 * index + 4]]
+            name: [verdict(r, good, newer) for r in reports[5 * index : 5 * index + 5]]
             for index, name in enumerate(rows)
         }
     )

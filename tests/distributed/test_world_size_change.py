@@ -268,6 +268,29 @@ def test_a_loader_state_that_does_not_say_how_its_data_was_split_is_refused_mid_
     assert steps_in(root) == [3, 5]
 
 
+@pytest.mark.parametrize("field", ["replicas", "batch_size"])
+def test_a_loader_position_of_zero_replicas_or_batch_is_passed_over_at_another_world_size(
+    legs: Legs, forge_manifest: Callable[..., Path], tmp_path: Path, field: str
+) -> None:
+    """A loader position that records 0 processes or a batch of 0 cannot be split again for
+    another number of processes: a job of one process passes over the checkpoint as damage,
+    naming it, and resumes from the one before, as a job of the same size does."""
+    root = tmp_path / "run"
+    Leg(2, legs.run("leg", 2, root, "--stop-after", 5)).assert_ended_well()
+    newest = root / "000000000005"
+    state = json.loads((newest / "state.json").read_text())
+    state["objects"]["loader"][field] = 0
+    (newest / "state.json").write_text(json.dumps(state))
+    forge_manifest(newest)
+    resumed = Leg(1, legs.run("leg", 1, root, "--stop-after", 7))
+    resumed.assert_ended_well()
+    assert resumed.said(0, "error") == []
+    assert resumed.one(0, "start") == "3"
+    skipped = [w for w in resumed.said(0, "warning") if "000000000005" in w]
+    assert len(skipped) == 1, resumed.said(0, "warning")
+    assert f"'{field}' is 0" in skipped[0], skipped
+
+
 def test_each_rank_s_own_seeded_streams_survive_the_wrapped_loader(
     legs: Legs, tmp_path: Path
 ) -> None:

@@ -7,14 +7,16 @@ nothing that looks like a real credential to a secret scanner.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
 import string
+import zlib
 from pathlib import Path
 
 from nbresume.kaggle import notebook as nbfile
-from nbresume.kaggle.secrets import scan
+from nbresume.kaggle.secrets import kinds_in, scan
 
 from .conftest import nbresume, user_env
 
@@ -244,3 +246,21 @@ def test_a_credential_given_on_the_command_line_is_neither_pushed_nor_printed(
     for start in range(len(hf) - 8):
         assert hf[start : start + 8] not in result.text, "a secret was printed"
     assert os.listdir(folder) == ["clean.ipynb"]
+
+
+def test_what_the_scan_passes_over_unread_holds_no_credential() -> None:
+    # The scan runs a pattern only over text holding one of its words, case-folded, and
+    # decodes short base64 runs only when they start as compressed data does: neither may
+    # lose a finding. A key-like name whose letters only a case-insensitive match takes for
+    # ASCII ("ſ" for s, the Kelvin sign for K, "ı" for i); a token of 20 characters
+    # compressed to a base64 run shorter than any that is decoded as plain text.
+    rng = random.Random(3)
+    value = _draw(rng, HEX, 32)
+    for name in ("pa\u017fsword", "api_\u212aey", "credent\u0131al"):
+        assert [k.id for k in kinds_in(f'"{name}": "{value}"')] == ["kaggle"], name
+        assert [k.id for k in kinds_in(f'"{name}_x": "{value[:-1]}"')] == [], name
+    token = "AK" + "IA" + "A" * 16
+    packed = base64.b64encode(zlib.compress(token.encode(), 9)).decode()
+    assert len(packed) < 22
+    assert [k.id for k in kinds_in(f"blob = {packed!r}")] == ["aws-access-key"]
+    assert [k.id for k in kinds_in(f"blob = {base64.b64encode(b'AK' + b'IA').decode()!r}")] == []

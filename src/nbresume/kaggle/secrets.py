@@ -45,13 +45,36 @@ from nbresume.kaggle.notebook import Cell, Notebook
 
 
 @dataclass(frozen=True)
+class Shape:
+    """One way a credential is written: its pattern, the words (case-folded) of which every
+    match of the pattern holds one, and a simpler pattern that every match holds (the value's
+    own shape), if any. Text without one of the words, or without a match of the simpler
+    pattern, is not searched with the pattern: a substring test, and a scan for a run of one
+    set of characters, cost a fraction of the pattern's scan."""
+
+    pattern: re.Pattern[str]
+    needles: tuple[str, ...]
+    value: re.Pattern[str] | None = None
+
+    def may_match(self, text: str, folded: str) -> bool:
+        """False when :attr:`pattern` cannot match ``text`` (``folded``: it case-folded)."""
+        if not any(needle in folded for needle in self.needles):
+            return False
+        return self.value is None or self.value.search(text) is not None
+
+
+def _shape(pattern: str, *needles: str, value: str | None = None) -> Shape:
+    return Shape(re.compile(pattern), needles, None if value is None else re.compile(value))
+
+
+@dataclass(frozen=True)
 class Kind:
     """A kind of credential: its id, how a message names it, and where to revoke it."""
 
     id: str
     label: str
     revoke: str
-    patterns: tuple[re.Pattern[str], ...]
+    shapes: tuple[Shape, ...]
     accept: Callable[[str], bool] = lambda value: True
 
 
@@ -63,8 +86,14 @@ def _mixed_case(value: str) -> bool:
     return any(c.islower() for c in body) and any(c.isupper() for c in body)
 
 
-#: A name that holds a credential: ``api_key``, ``KAGGLE_KEY``, ``token``, ``"key"``.
-_KEYLIKE = r"[\"']?\b[\w.-]*(?:key|token|secret|passw(?:or)?d|credential|auth)[\w.-]*[\"']?"
+#: The words that make a name key-like.
+_KEYWORD = r"(?:key|token|secret|passw(?:or)?d|credential|auth)"
+_KEYWORDS = ("key", "token", "secret", "passw", "credential", "auth")
+#: A name that holds a credential: ``api_key``, ``KAGGLE_KEY``, ``token``, ``"key"``. A name
+#: is a run of ``[\w.-]``, matched from its start only, up to its first key-like word and on
+#: to its end: each character is looked at a bounded number of times (a pattern that may start
+#: anywhere in a name tries every start, and rescans the name from each).
+_KEYLIKE = r"[\"']?(?<![\w.-])(?:(?!" + _KEYWORD + r")[\w.-])*" + _KEYWORD + r"[\w.-]*[\"']?"
 #: ``= "value"``, ``: "value"``, ``"] = value``, ``=value`` (a .env line).
 _ASSIGNED = r"\s*\]?\s*[:=]\s*[\"']?"
 
@@ -74,22 +103,27 @@ KINDS: tuple[Kind, ...] = (
         "a Kaggle API key or token",
         "kaggle.com → Settings → API → Expire Token",
         (
-            re.compile(r"\bKGAT_[0-9A-Za-z]{24,}"),
+            _shape(r"\bKGAT_[0-9A-Za-z]{24,}", "kgat_"),
             # kaggle.json: {"username": "...", "key": "<32 hex>"}
-            re.compile(
-                r"(?s)username[\"']?\s*:.{0,100}?[\"']key[\"']\s*:\s*[\"'][0-9a-f]{32}[\"']"
+            _shape(
+                r"(?s)username[\"']?\s*:.{0,100}?[\"']key[\"']\s*:\s*[\"'][0-9a-f]{32}[\"']",
+                "username",
             ),
-            re.compile(r"KAGGLE_KEY[\"']?" + _ASSIGNED + r"[0-9a-f]{32}\b"),
+            _shape(r"KAGGLE_KEY[\"']?" + _ASSIGNED + r"[0-9a-f]{32}\b", "kaggle_key"),
             # A Kaggle key's shape (32 hex) under a key-like name; a checksum under another
             # name (md5 = "...") is not a secret.
-            re.compile(r"(?i)" + _KEYLIKE + _ASSIGNED + r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-z])"),
+            _shape(
+                r"(?i)" + _KEYLIKE + _ASSIGNED + r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-z])",
+                *_KEYWORDS,
+                value=r"(?i)(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-z])",
+            ),
         ),
     ),
     Kind(
         "huggingface",
         "a Hugging Face token (hf_...)",
         "huggingface.co → Settings → Access Tokens",
-        (re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"),),
+        (_shape(r"\bhf_[A-Za-z0-9]{30,}\b", "hf_"),),
         _mixed_case,
     ),
     Kind(
@@ -98,32 +132,33 @@ KINDS: tuple[Kind, ...] = (
         "wandb.ai → User settings → API keys",
         (
             # 40 hex is also a git commit id: only with a W&B key's context.
-            re.compile(r"(?i)wandb\.login\s*\(\s*(?:key\s*=\s*)?[\"'][0-9a-f]{40}[\"']"),
-            re.compile(r"(?i)wandb\w*key\w*[\"']?" + _ASSIGNED + r"[0-9a-f]{40}(?![0-9a-f])"),
-            re.compile(r"(?is)api\.wandb\.ai.{0,80}?password\s+[0-9a-f]{40}(?![0-9a-f])"),
-            re.compile(r"\bwandb_v1_[A-Za-z0-9_]{20,}"),
+            _shape(r"(?i)wandb\.login\s*\(\s*(?:key\s*=\s*)?[\"'][0-9a-f]{40}[\"']", "wandb"),
+            _shape(r"(?i)wandb\w*key\w*[\"']?" + _ASSIGNED + r"[0-9a-f]{40}(?![0-9a-f])", "wandb"),
+            _shape(r"(?is)api\.wandb\.ai.{0,80}?password\s+[0-9a-f]{40}(?![0-9a-f])", "wandb"),
+            _shape(r"\bwandb_v1_[A-Za-z0-9_]{20,}", "wandb_v1_"),
         ),
     ),
     Kind(
         "openai",
         "an OpenAI API key (sk-...)",
         "platform.openai.com → API keys",
-        (re.compile(r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{32,}"),),
+        (_shape(r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{32,}", "sk-"),),
         _mixed_case,
     ),
     Kind(
         "aws-access-key",
         "an AWS access key id (AKIA...)",
         "the AWS console → IAM → Security credentials",
-        (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),),
+        (_shape(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", "akia", "asia"),),
     ),
     Kind(
         "aws-secret-key",
         "an AWS secret access key",
         "the AWS console → IAM → Security credentials",
         (
-            re.compile(
-                r"(?i)aws\w*secret\w*[\"']?" + _ASSIGNED + r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])"
+            _shape(
+                r"(?i)aws\w*secret\w*[\"']?" + _ASSIGNED + r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])",
+                "aws",
             ),
         ),
     ),
@@ -132,15 +167,15 @@ KINDS: tuple[Kind, ...] = (
         "a GitHub token",
         "github.com → Settings → Developer settings → Personal access tokens",
         (
-            re.compile(r"\bgh[pousr]_[A-Za-z0-9]{36,}\b"),
-            re.compile(r"\bgithub_pat_[A-Za-z0-9_]{22,}"),
+            _shape(r"\bgh[pousr]_[A-Za-z0-9]{36,}\b", "ghp_", "gho_", "ghu_", "ghs_", "ghr_"),
+            _shape(r"\bgithub_pat_[A-Za-z0-9_]{22,}", "github_pat_"),
         ),
     ),
     Kind(
         "google-api-key",
         "a Google API key (AIza...)",
         "console.cloud.google.com → APIs & Services → Credentials",
-        (re.compile(r"\bAIza[0-9A-Za-z_-]{35}"),),
+        (_shape(r"\bAIza[0-9A-Za-z_-]{35}", "aiza"),),
     ),
     Kind(
         "private-key",
@@ -148,9 +183,10 @@ KINDS: tuple[Kind, ...] = (
         "wherever the key pair was issued; make a new pair",
         # The whole block, to its END line (or the text's end): what redact() takes out.
         (
-            re.compile(
+            _shape(
                 r"(?s)-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
-                r"(?:.*?-----END [A-Z0-9 ]*-----|.*)"
+                r"(?:.*?-----END [A-Z0-9 ]*-----|.*)",
+                "private key",
             ),
         ),
     ),
@@ -175,6 +211,12 @@ _SIDE_FILE_MAX_BYTES = 1 << 20
 PUSHED_FILES = (METADATA_FILE,)
 #: Text that may be base64: decoded and scanned too.
 _BASE64 = re.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
+#: A shorter run of base64 decodes to fewer than 16 bytes: text too short to hold anything the
+#: scan finds (a credential has 20 characters at the least, an encoded run 16). It is not
+#: decoded (a float's digits are such runs), unless it starts as base64 of gzip, zlib, bz2 or
+#: xz data does (:data:`_PACKED_BASE64`): that may unpack to more.
+_BASE64_TEXT_MIN = 22
+_PACKED_BASE64 = ("H4", "e", "Qlpo", "/Td6", "_Td6")
 #: Hex that may be text: at least 16 bytes, two digits each (a space or a colon between).
 _HEX = re.compile(r"(?<![0-9A-Za-z])(?:[0-9A-Fa-f]{2}[ :]?){16,}")
 #: A run of URL text with percent-escapes in it (``ghp%5F...``, ``%67%68...``).
@@ -275,6 +317,10 @@ def _encoded(text: str) -> Iterator[tuple[tuple[int, int], str]]:
         if pattern is _PERCENT and "%" not in text:
             continue
         for match in pattern.finditer(text):
+            start, stop = match.span()
+            short = pattern is _BASE64 and stop - start < _BASE64_TEXT_MIN
+            if short and not text.startswith(_PACKED_BASE64, start):
+                continue
             decoded = decode(match.group(0))
             if decoded and decoded != match.group(0):
                 yield match.span(), decoded
@@ -303,9 +349,13 @@ def _variants(text: str, depth: int) -> Iterator[str]:
 
 def _spans(text: str) -> Iterator[tuple[Kind, tuple[int, int]]]:
     """Each credential written plainly in ``text``: its kind and span."""
+    # Folded as a case-insensitive pattern matches: "ſ" is an "s", "K" (Kelvin) a "k", "ı" an "i".
+    folded = text.casefold().replace("ı", "i")
     for kind in KINDS:
-        for pattern in kind.patterns:
-            for match in pattern.finditer(text):
+        for shape in kind.shapes:
+            if not shape.may_match(text, folded):
+                continue
+            for match in shape.pattern.finditer(text):
                 if kind.accept(match.group(0)):
                     yield kind, match.span()
 
