@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tests.stateful import QUIET, Counter
+from testkit.stateful import QUIET, Counter
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import nbresume
+from testkit.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
 pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed")

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from testkit.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```console\s*$")
 MARKER = re.compile(r"^<!-- output: (?P<how>.+?) -->$")

@@ -35,15 +35,12 @@ from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 from nbresume.resumecheck.compare import RNG, compare, final_checkpoints
 from zygote import CHILD_ENV, Zygote
+from testkit.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).with_name("train_iterable.py")
+import train_iterable as runs
+
+SCRIPT = Path(runs.__file__)
 RECIPE = ROOT / "docs" / "recipes" / "iterable_dataset.py"
-_spec = importlib.util.spec_from_file_location("train_iterable", SCRIPT)
-assert _spec is not None
-assert _spec.loader is not None
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 PER_EPOCH = runs.ITEMS // runs.BATCH
 WORKERS = [0, 2]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.stateful import QUIET
+from testkit.stateful import QUIET
 from tests.test_loadable import reseal
 from torch import nn
 

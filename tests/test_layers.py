@@ -28,8 +28,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+from testkit.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "nbresume"
 
 #: The layers of the checkpoint core, lowest first: the root's own modules (``None``), then its

@@ -28,12 +28,9 @@ import torch
 from nbresume.checkpoint.store import CheckpointStore
 from zygote import Zygote, reached
 
-SCRIPT = Path(__file__).with_name("train_loader_workers.py")
-_spec = importlib.util.spec_from_file_location("train_loader_workers", SCRIPT)
-assert _spec is not None
-assert _spec.loader is not None
-script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(script)
+import train_loader_workers as script
+
+SCRIPT = Path(script.__file__)
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),

@@ -30,12 +30,9 @@ from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 from zygote import Zygote, reached
 
-SCRIPT = Path(__file__).with_name("train_loop_shapes.py")
-_spec = importlib.util.spec_from_file_location("train_loop_shapes", SCRIPT)
-assert _spec is not None
-assert _spec.loader is not None
-shapes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(shapes)
+import train_loop_shapes as shapes
+
+SCRIPT = Path(shapes.__file__)
 
 SHAPES = list(shapes.SHAPES)
 

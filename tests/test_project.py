@@ -9,8 +9,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from testkit.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 # What `import nbresume` must not drag in: each costs seconds or is absent on some platforms.

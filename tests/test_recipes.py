@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from testkit.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "docs" / "recipes").glob("*.py"))
 
 

@@ -11,9 +11,8 @@ from .conftest import Colab
 
 SCRIPT = """
 import json, sys
-sys.path.insert(0, {here!r})
 import numpy as np
-from child import RUN_PARTS, cloud, mount
+from colab.child import RUN_PARTS, cloud, mount
 import nbresume
 
 def landed(step):
@@ -60,8 +59,7 @@ print(json.dumps(record), flush=True)
 
 
 def _run(colab: Colab, *, lag: float, timeout: float) -> dict[str, object]:
-    here = str(Path(__file__).parent)
-    proc = colab.start_script(SCRIPT.format(here=here, timeout=timeout), vm="vm1", lag=lag)
+    proc = colab.start_script(SCRIPT.format(timeout=timeout), vm="vm1", lag=lag)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, stdout.decode()
     result: dict[str, object] = json.loads(stdout.decode().strip().splitlines()[-1])
@@ -86,8 +84,7 @@ def test_wait_durable_past_its_timeout_raises_with_what_drive_reported(colab: Co
 
 ONCE = """
 import json, sys
-sys.path.insert(0, {here!r})
-from child import RUN_PARTS, mount
+from colab.child import RUN_PARTS, mount
 from nbresume.errors import StorageError
 from nbresume.notebook import once
 
@@ -104,7 +101,7 @@ print(json.dumps(record), flush=True)
 
 
 def _once(colab: Colab, *, lag: float, timeout: float) -> dict[str, object]:
-    code = ONCE.format(here=str(Path(__file__).parent), timeout=timeout)
+    code = ONCE.format(timeout=timeout)
     proc = colab.start_script(code, vm="vm1", lag=lag)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, stdout.decode()

@@ -16,8 +16,8 @@ import pytest
 
 from .conftest import URL
 from .standin import HubStandIn
+from testkit.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "docs" / "examples" / "hop_train.py"
 FINAL = re.compile(r"stopped at step (\d+) \((.+?)\); weights ([0-9a-f]{16})")
 #: Where the first two legs' sessions end (a save, then the loop stops); the third finishes.

@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 import numpy as np
 import pytest
-from tests.stateful import QUIET
+from testkit.stateful import QUIET
 
 from nbresume.checkpoint.backends import open_store
 from nbresume.checkpoint.backends.hf_bucket import XET_RECORDS, HfBucketStore

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from .conftest import Result, copy_notebook, nbresume, user_env
-from .fake_kaggle import FakeKaggle
+from testkit.fake_kaggle import FakeKaggle
+from testkit.paths import ROOT
 
 
 def commit(tmp_path: Path, server: FakeKaggle, notebook: Path, slug: str, *args: str) -> Result:
@@ -254,7 +255,7 @@ def test_a_call_meant_for_the_real_kaggle_never_leaves_the_machine(
 
 
 QUICKSTARTS = sorted(
-    (Path(__file__).parents[2] / "notebooks").glob("*_quickstart.ipynb"), key=lambda p: p.name
+    (ROOT / "notebooks").glob("*_quickstart.ipynb"), key=lambda p: p.name
 )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import copy_notebook, nbresume, user_env
-from .fake_kaggle import DATASETS_SERVICE, FakeKaggle
+from testkit.fake_kaggle import DATASETS_SERVICE, FakeKaggle
 
 
 def changes(server: FakeKaggle) -> list[str]:

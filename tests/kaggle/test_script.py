@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import copy_notebook, nbresume, user_env
-from .fake_kaggle import FakeKaggle
+from testkit.fake_kaggle import FakeKaggle
 
 
 @pytest.mark.slow

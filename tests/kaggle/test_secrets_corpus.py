@@ -12,7 +12,7 @@ from nbresume.kaggle import notebook as nbfile
 from nbresume.kaggle.secrets import scan
 
 from .conftest import nbresume, user_env
-from .fake_kaggle import FakeKaggle
+from testkit.fake_kaggle import FakeKaggle
 from .secrets_corpus import Case, clean_cases, secret_cases
 
 SECRET_CASES = secret_cases()

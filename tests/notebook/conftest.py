@@ -80,6 +80,17 @@ def jupyter_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, st
     return dict(os.environ)
 
 
+@pytest.fixture
+def tracker() -> Any:
+    """A tracker that watches the Checkpointers made during the test, and only them."""
+    from nbresume.notebook.progress import Tracker
+
+    tracker = Tracker()
+    tracker.start()
+    yield tracker
+    tracker.stop()
+
+
 @pytest.fixture(scope="session")
 def _shell_history_closed_at_the_end() -> Iterator[None]:
     """IPython's test shell writes its history at interpreter exit, into a database in the

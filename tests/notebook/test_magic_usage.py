@@ -11,17 +11,9 @@ import pytest
 pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
 
 TRAIN = """
-import numpy as np
+from testkit.stateful import Weights
 
-class Model:
-    def __init__(self):
-        self.w = np.zeros(3)
-    def state_dict(self):
-        return {"w": self.w.copy()}
-    def load_state_dict(self, state):
-        self.w = np.asarray(state["w"]).copy()
-
-model = Model()
+model = Weights()
 ckpt = run.checkpointer(model=model, every=10, async_save=False)
 for step in ckpt.steps(12):
     model.w += 1

@@ -21,18 +21,12 @@ pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 
-CONTRACT = Path(__file__).resolve().parent.parent / "contract"
-
 
 @pytest.fixture
 def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback, a fresh bucket, and the options that reach it; the
     environment's own S3 endpoint is a closed loopback port."""
-    sys.path.insert(0, str(CONTRACT))
-    try:
-        from backends import FAKE_AWS_ENV, free_port, loopback_only, start_moto_server
-    finally:
-        sys.path.remove(str(CONTRACT))
+    from testkit.backends import FAKE_AWS_ENV, free_port, loopback_only, start_moto_server
     import s3fs
 
     server, endpoint = start_moto_server(tmp_path / "moto.log")

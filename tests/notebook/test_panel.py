@@ -24,28 +24,7 @@ from nbresume.checkpoint.loop.durability import SAVED, SYNCING, Durability
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.notebook.panel import Panel
 from nbresume.notebook.progress import Tracker
-
-
-class Model:
-    """The smallest stateful object: one array that every step changes."""
-
-    def __init__(self) -> None:
-        self.w = np.zeros(4)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"w": self.w.copy()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.w = np.asarray(state["w"]).copy()
-
-
-@pytest.fixture
-def tracker() -> Any:
-    """A tracker that watches the Checkpointers made during the test, and only them."""
-    tracker = Tracker()
-    tracker.start()
-    yield tracker
-    tracker.stop()
+from testkit.stateful import Weights
 
 
 def steps_on_disk(folder: Path) -> list[int]:
@@ -62,7 +41,7 @@ def data_state(html: str) -> tuple[str, str]:
 def test_panel_shows_progress_and_the_verified_checkpoint(tracker: Tracker, tmp_path: Path) -> None:
     panel = Panel(tracker)
     tracker.add_view(panel)
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=10, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(25):
         model.w += 1
@@ -84,7 +63,7 @@ def test_panel_shows_progress_and_the_verified_checkpoint(tracker: Tracker, tmp_
 def test_panel_starts_with_the_checkpoint_already_in_the_folder(
     tracker: Tracker, tmp_path: Path
 ) -> None:
-    model = Model()
+    model = Weights(4)
     first = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in first.steps(7):
         model.w += 1
@@ -95,7 +74,7 @@ def test_panel_starts_with_the_checkpoint_already_in_the_folder(
     fresh.add_view(panel)
     fresh.start()
     try:
-        Checkpointer(tmp_path / "run", every=None, deadline=None, model=Model())
+        Checkpointer(tmp_path / "run", every=None, deadline=None, model=Weights(4))
         # Found in the folder, not verified by this process: never shown as "saved".
         assert data_state(panel.checkpoint.value) == ("7", "found")
         assert "step 7 in the folder" in panel.checkpoint.value
@@ -106,7 +85,7 @@ def test_panel_starts_with_the_checkpoint_already_in_the_folder(
 def test_save_now_saves_at_the_next_step_boundary(tracker: Tracker, tmp_path: Path) -> None:
     panel = Panel(tracker)
     tracker.add_view(panel)
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for step in ckpt.steps(30):
         model.w += 1
@@ -122,7 +101,7 @@ def test_save_now_saves_at_the_next_step_boundary(tracker: Tracker, tmp_path: Pa
 def test_stop_and_save_ends_the_loop_cleanly(tracker: Tracker, tmp_path: Path) -> None:
     panel = Panel(tracker)
     tracker.add_view(panel)
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     ran = []
     for step in ckpt.steps(1000):
@@ -144,7 +123,7 @@ def test_stop_and_save_ends_the_loop_cleanly(tracker: Tracker, tmp_path: Path) -
 
     # Running the cell again resumes from the stop and is not stopped by the old request.
     again = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None,
-                         model=Model())  # fmt: skip
+                         model=Weights(4))  # fmt: skip
     assert list(again.steps(20)) == list(range(16, 20))
     assert again.done
 
@@ -159,7 +138,7 @@ def test_buttons_do_nothing_harmful_without_a_running_loop(
     panel.save_button.click()
     assert "nothing to save" in panel.message.value
 
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(5):
         model.w += 1
@@ -177,7 +156,7 @@ def test_redraws_are_throttled_while_steps_go_by(tracker: Tracker, tmp_path: Pat
     panel = Panel(tracker, interval=interval)
     tracker.add_view(panel)
     before = panel.renders
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     started = time.monotonic()
     for _ in ckpt.steps(3000):
@@ -214,7 +193,7 @@ def test_write_back_store_shows_syncing_until_the_store_confirms(
     panel = Panel(tracker)
     tracker.add_view(panel)
     store = WriteBackStore(tmp_path / "drive" / "run")
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(3):
         model.w += 1
@@ -237,7 +216,7 @@ def test_a_failed_save_is_shown_as_failed(tracker: Tracker, tmp_path: Path) -> N
     tracker.add_view(panel)
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the checkpoints should go")
-    ckpt = Checkpointer(blocker, every=None, async_save=False, deadline=None, model=Model())
+    ckpt = Checkpointer(blocker, every=None, async_save=False, deadline=None, model=Weights(4))
     with pytest.raises(Exception, match="folder"):
         ckpt.save(step=1, block=True)
     assert "FAILED" in panel.checkpoint.value
@@ -247,7 +226,7 @@ def test_a_failed_save_is_shown_as_failed(tracker: Tracker, tmp_path: Path) -> N
 def test_unknown_event_kinds_change_nothing(tracker: Tracker, tmp_path: Path) -> None:
     panel = Panel(tracker)
     tracker.add_view(panel)
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(4):
         model.w += 1
@@ -278,7 +257,7 @@ def test_events_reach_the_tracker_from_the_background_writer(
 ) -> None:
     panel = Panel(tracker)
     tracker.add_view(panel)
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=5, async_save=True, deadline=None, model=model)
     for _ in ckpt.steps(12):
         model.w += 1
@@ -306,7 +285,7 @@ def test_safe_to_close_line_shows_the_local_disk_confirmed(
     panel = Panel(tracker)
     tracker.add_view(panel)
     assert panel.safe.value == ""  # nothing asked before a checkpoint exists
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(5):
         model.w += 1
@@ -321,7 +300,7 @@ def test_safe_to_close_line_waits_for_a_write_back_store(tracker: Tracker, tmp_p
     panel = Panel(tracker)
     tracker.add_view(panel)
     store = WriteBackStore(tmp_path / "drive" / "run")
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(3):
         model.w += 1
@@ -361,7 +340,7 @@ def test_asking_the_storage_never_holds_up_the_training_loop(
     panel = Panel(tracker)
     tracker.add_view(panel)
     store = SlowToAnswerStore(tmp_path / "run")
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(store, every=None, keep=None, async_save=False, deadline=None, model=model)
     # The save in the loop is verified in this thread, and the panel hears of it here: the
     # question to the storage must go elsewhere, or the loop would wait for the answer.

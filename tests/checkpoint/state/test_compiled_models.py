@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.stateful import QUIET
+from testkit.stateful import QUIET
 from torch import nn
 
 from nbresume import Checkpointer

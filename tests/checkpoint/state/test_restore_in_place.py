@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.stateful import QUIET
+from testkit.stateful import QUIET
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore

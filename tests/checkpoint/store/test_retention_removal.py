@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tests.stateful import Counter
+from testkit.stateful import Counter
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.backends import DELETING_PREFIX
