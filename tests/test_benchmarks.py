@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks import loop, report, stall
+from benchmarks.__main__ import PAGES
+from benchmarks.tools import TOOLS, Tool
 
-
-from benchmarks import loop, report, stall  # noqa: E402
-from benchmarks.__main__ import PAGES  # noqa: E402
-from benchmarks.tools import TOOLS, Tool  # noqa: E402
 from testkit.paths import ROOT
 
 pytestmark = pytest.mark.slow

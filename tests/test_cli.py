@@ -18,23 +18,14 @@ import torch
 
 from nbresume import CheckpointStore
 from nbresume.checkpoint.format import step_dirname
-from nbresume.cli import build_parser, main
+from nbresume.cli import build_parser
+from testkit.cli import run_cli as run
 
 
 def commands() -> list[str]:
     parser = build_parser()
     [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return sorted(sub.choices)
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """Run the command in-process; argparse's exits become return codes."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

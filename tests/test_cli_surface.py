@@ -5,12 +5,9 @@ the place every error names."""
 from __future__ import annotations
 
 import os
-import pty
-import select
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest

@@ -12,7 +12,6 @@ import pytest
 import nbresume
 from testkit.paths import ROOT
 
-
 pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
 pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed")
 pytest.importorskip("material", reason="mkdocs-material is not installed")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from testkit.paths import ROOT
 
 PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]

@@ -12,7 +12,6 @@ and optimizer state must be bit-identical to a run that was never interrupted.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import multiprocessing
@@ -30,14 +29,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+import train_iterable as runs
 from nbresume import ResumableLoader
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 from nbresume.resumecheck.compare import RNG, compare, final_checkpoints
-from zygote import CHILD_ENV, Zygote
 from testkit.paths import ROOT
-
-import train_iterable as runs
+from zygote import CHILD_ENV, Zygote
 
 SCRIPT = Path(runs.__file__)
 RECIPE = ROOT / "docs" / "recipes" / "iterable_dataset.py"

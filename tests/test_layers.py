@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+
 from testkit.paths import ROOT
 
 PACKAGE = ROOT / "src" / "nbresume"

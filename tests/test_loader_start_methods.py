@@ -13,7 +13,6 @@ holds for randomness drawn per batch in the workers, by a ``collate_fn`` or ``__
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import multiprocessing
 import os
 import signal
@@ -25,10 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import train_loader_workers as script
 from nbresume.checkpoint.store import CheckpointStore
 from zygote import Zygote, reached
-
-import train_loader_workers as script
 
 SCRIPT = Path(script.__file__)
 

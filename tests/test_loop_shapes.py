@@ -10,7 +10,6 @@ the final weights and optimizer state must be bit-identical to an uninterrupted 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -25,12 +24,11 @@ import torch
 from torch.utils.data import DataLoader
 
 import nbresume
+import train_loop_shapes as shapes
 from nbresume import Checkpointer, Event
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 from zygote import Zygote, reached
-
-import train_loop_shapes as shapes
 
 SCRIPT = Path(shapes.__file__)
 

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
 from testkit.paths import ROOT
 
 BIN = Path(sys.executable).parent

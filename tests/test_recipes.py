@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from testkit.paths import ROOT
 
 RECIPES = sorted((ROOT / "docs" / "recipes").glob("*.py"))

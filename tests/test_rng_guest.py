@@ -20,7 +20,6 @@ guard compares the states on the way in and on the way out of every such region.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 import threading
@@ -37,12 +36,11 @@ import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 import nbresume
+import train_iterable as streams
+import train_loop_shapes as shapes
 from nbresume.checkpoint.format import state_document as state_module
 from nbresume.checkpoint.state import ResumableLoader
 from nbresume.checkpoint.state import data as data_module
-
-import train_iterable as streams
-import train_loop_shapes as shapes
 
 NBRESUME_ROOT = str(Path(nbresume.__file__).parent)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from colab.godview import landed
 
 RUN_PARTS = ["nbresume", "x"]

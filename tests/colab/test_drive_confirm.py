@@ -5,7 +5,6 @@ holds the newest checkpoint, and says so; past its timeout it raises instead of 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from .conftest import Colab
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -25,7 +26,6 @@ from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX, parse_manifes
 from nbresume.checkpoint.store.store import CheckpointInfo, CheckpointStore
 from nbresume.cli import main
 from nbresume.errors import NoCheckpointError, UsageError
-
 from testkit.backends import Backend, payload, settle
 from testkit.paths import with_testkit
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from papermill_run import environment, execute
+
 from testkit.paths import ROOT
 
 pytest.importorskip("transformers")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from tests.gpu.conftest import requires_cuda
+
 from testkit.paths import ROOT
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

@@ -40,11 +40,10 @@ from tests.gpu.conftest import DEVICE, requires_device
 
 import nbresume
 import nbresume.hf
-
-pytestmark = [pytest.mark.gpu, pytest.mark.slow, requires_device]
-
 from gpu import train_gpu
 from testkit.paths import ROOT, with_testkit
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, requires_device]
 
 SCRIPT = Path(train_gpu.__file__)
 shapes = train_gpu.shapes

@@ -25,7 +25,6 @@ child started and ``exit P STATUS`` when it ended (STATUS negative: killed by th
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import sys
@@ -39,7 +38,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import nbresume
-
 import train_loop_shapes as shapes
 import zygote
 

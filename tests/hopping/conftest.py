@@ -11,8 +11,8 @@ import pytest
 
 from colab.conftest import colab  # noqa: F401  (a fixture, used by name)
 from kaggle.conftest import NETGUARD, net_log  # noqa: F401
-from testkit.fake_kaggle import FakeKaggle, serving
 from remote.conftest import child_env, ssh_keys, sshd  # noqa: F401
+from testkit.fake_kaggle import FakeKaggle, serving
 
 #: The Kaggle account of the tests' user, as the guide names it.
 KAGGLE_USER = "you"

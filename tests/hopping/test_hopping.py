@@ -25,10 +25,10 @@ import pytest
 
 from colab.conftest import Colab
 from kaggle.conftest import NETGUARD
+from remote.conftest import SshServer
 from test_docs_outputs import blocks, matches, normalise
 from testkit.fake_kaggle import FakeKaggle
 from testkit.paths import ROOT
-from remote.conftest import SshServer
 
 from .conftest import KAGGLE_USER
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from testkit.paths import ROOT
+
 from .conftest import URL
 from .standin import HubStandIn
-from testkit.paths import ROOT
 
 SCRIPT = ROOT / "docs" / "examples" / "hop_train.py"
 FINAL = re.compile(r"stopped at step (\d+) \((.+?)\); weights ([0-9a-f]{16})")

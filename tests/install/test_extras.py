@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+
 from testkit.paths import ROOT
 
 tomllib = pytest.importorskip("tomllib", reason="reads platforms.toml with Python 3.11's tomllib")

@@ -17,10 +17,10 @@ from nbresume.cli import main
 from nbresume.errors import UsageError
 from nbresume.kaggle.push import push
 from nbresume.platforms.kaggle import seed_from_inputs
-
-from .conftest import nbresume, user_env
 from testkit.fake_kaggle import FakeKaggle, _unpack_into
 from testkit.stateful import Weights
+
+from .conftest import nbresume, user_env
 
 
 def saved_run(folder: Path, steps: tuple[int, ...] = (4, 8)) -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import copy_notebook, nbresume, user_env
 from testkit.fake_kaggle import FakeKaggle
+
+from .conftest import copy_notebook, nbresume, user_env
 
 
 @pytest.mark.slow

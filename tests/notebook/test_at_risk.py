@@ -18,9 +18,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 
 from nbresume import Checkpointer, CheckpointError

@@ -9,7 +9,6 @@ for the store; fsspec's own configuration points nowhere, so only those options 
 from __future__ import annotations
 
 import json
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +25,9 @@ pytest.importorskip("s3fs")
 def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback, a fresh bucket, and the options that reach it; the
     environment's own S3 endpoint is a closed loopback port."""
-    from testkit.backends import FAKE_AWS_ENV, free_port, loopback_only, start_moto_server
     import s3fs
+
+    from testkit.backends import FAKE_AWS_ENV, free_port, loopback_only, start_moto_server
 
     server, endpoint = start_moto_server(tmp_path / "moto.log")
     for name, value in FAKE_AWS_ENV.items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest

@@ -5,13 +5,10 @@ the terminal is a real pseudo-terminal."""
 from __future__ import annotations
 
 import os
-import pty
 import re
-import select
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from testkit.paths import with_testkit

@@ -22,6 +22,18 @@ import pytest
 from nbresume.platforms.base import DETECTION_VARIABLES
 from tiers import starts_processes
 
+#: The preflight's checks, in the order it reports them.
+CHECK_NAMES = [
+    "platform",
+    "accelerator",
+    "cuda build",
+    "internet",
+    "durable folder",
+    "memory",
+    "cpu",
+    "session clock",
+]
+
 #: What makes a platform recognise itself (the one list the detectors are checked
 #: against), plus the terminal's colour switch.
 PLATFORM_VARIABLES = (*DETECTION_VARIABLES, *("NO_COLOR",))

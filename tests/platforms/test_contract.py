@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from tests.platforms.conftest import CHECK_NAMES
 
 import nbresume
 from nbresume.checkpoint.loop import resolve_deadline
@@ -27,16 +28,6 @@ from nbresume.platforms import PLATFORMS, Platform, detect
 
 HOUR = 3600.0
 NAME = "resnet-cifar"
-CHECK_NAMES = {
-    "platform",
-    "accelerator",
-    "cuda build",
-    "internet",
-    "durable folder",
-    "memory",
-    "cpu",
-    "session clock",
-}
 #: Modules that detection must never import (they take seconds, or pull in a UI).
 HEAVY = ("torch", "IPython", "ipywidgets", "google", "kaggle", "fsspec", "numpy")
 
@@ -305,7 +296,7 @@ def test_missing_gpu_fails_with_this_platforms_fix(case: Case) -> None:
     else:
         report = nbresume.preflight(accelerator="gpu")
     assert isinstance(report, nbresume.Report)
-    assert {c.name for c in report.checks} == CHECK_NAMES
+    assert {c.name for c in report.checks} == set(CHECK_NAMES)
     check = report["accelerator"]
     assert check.status == "fail"
     assert case.gpu_fix in check.fix

@@ -15,9 +15,9 @@ import pytest
 
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.procfs import boot_id, process_runs
-from nbresume.cli import main
 from nbresume.pull import is_kaggle_ref
 from nbresume.runner import RunState, process_start, state_path
+from testkit.cli import run_cli
 
 from .conftest import (
     HANG_S,
@@ -30,12 +30,7 @@ from .conftest import (
 
 
 def status(target: Path | str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(["status", str(target)])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(["status", str(target)], capsys)
 
 
 def test_a_running_job_then_one_that_died_without_a_word(

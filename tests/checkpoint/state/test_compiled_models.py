@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from testkit.stateful import QUIET
 from torch import nn
 
 from nbresume import Checkpointer
 from nbresume.errors import CheckpointError
+from testkit.stateful import QUIET
 
 
 class Net(nn.Module):

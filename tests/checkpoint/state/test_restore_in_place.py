@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from testkit.stateful import QUIET
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.errors import CheckpointError
+from testkit.stateful import QUIET
 
 
 class Net(nn.Module):

@@ -33,7 +33,6 @@ from nbresume.errors import CheckpointError, FolderInUseError, LeaseLostError, S
 from testkit.paths import with_testkit
 from testkit.stateful import Counter
 
-
 # A training run as a user writes it: a Checkpointer that saves every step and keeps three.
 # It prints each checkpoint it reports saved, trains until `total` or until the stop file
 # appears (then it saves and stops cleanly), and prints its counter at the end.
@@ -599,8 +598,9 @@ def test_on_an_object_store_a_folder_in_the_lease_files_place_is_named_with_the_
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback, a fresh bucket, and what a client needs to reach it."""
     pytest.importorskip("moto")
-    from testkit.backends import FAKE_AWS_ENV, loopback_only, start_moto_server
     import s3fs
+
+    from testkit.backends import FAKE_AWS_ENV, loopback_only, start_moto_server
 
     home = tmp_path_factory.mktemp("moto")
     server, endpoint = start_moto_server(home / "server.log")
