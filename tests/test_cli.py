@@ -242,37 +242,14 @@ def test_status_notes_a_folder_that_stopped_getting_checkpoints(
 def test_status_warns_when_a_running_job_has_not_saved_for_twice_the_usual_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], forge_manifest: Callable[..., Path]
 ) -> None:
-    from nbresume.checkpoint.procfs import boot_id
-    from nbresume.runner import RunState, process_start, state_path
+    from testkit.supervisor import a_recorded_job
 
     # Every 10 minutes until 25 minutes ago, while the job (a `sleep` here, recorded as
     # `nbresume run` records a job) still runs: more than twice 10 minutes.
     ckpt = tmp_path / "ckpt"
     forge_history(ckpt, forge_manifest, [55, 45, 35, 25])
-    job = subprocess.Popen(["sleep", "120"])
-    try:
-        started = time.time() - 3600
-        state = RunState(
-            command=["python", "train.py"],
-            log=str(ckpt / "nbresume-run.log"),
-            cwd=str(tmp_path),
-            dir=str(ckpt),
-            boot_id=boot_id(),
-            started=started,
-            status="running",
-            supervisor_pid=job.pid,
-            supervisor_start=process_start(job.pid),
-            pid=job.pid,
-            pid_start=process_start(job.pid),
-            pgid=job.pid,
-            attempt=1,
-            attempt_started=started,
-        )
-        state.write(state_path(Path(state.log)))
+    with a_recorded_job(ckpt, tmp_path, started=time.time() - 3600):
         code, out, _ = run(["status", str(ckpt)], capsys)
-    finally:
-        job.kill()
-        job.wait()
     assert code == 0, out
     assert "last verified checkpoint: step 400, 25 min ago" in out
     assert (

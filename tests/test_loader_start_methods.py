@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -121,6 +122,21 @@ class WorkerRuns(Zygote):
         kill_when = None if kill_at is None else reached(kill_at)
         return self.run(command, kill_when=kill_when, pause=0.05)
 
+    def resumes_to(
+        self, reference: dict[str, torch.Tensor], folder: Path, start_method: str, **options: Any
+    ) -> None:
+        """Train again in ``folder``, killed before at its last checkpoint: the run resumes
+        from that step and ends with exactly the tensors of the uninterrupted ``reference``."""
+        committed = max(r.step for r in CheckpointStore(folder, keep=None).verify().results)
+        status, text = self.train(folder, start_method, **options)
+        assert status == 0, text
+        assert lines(text, "start") == [committed], text
+        assert lines(text, "done") == [TOTAL], text
+        final = self.final()
+        assert final.keys() == reference.keys()
+        for key, value in reference.items():
+            assert torch.equal(final[key], value), f"{start_method} {options}: {key} differs"
+
     def ended(self, pid: int) -> None:
         deadline = time.monotonic() + self.linger
         while leftovers(pid) and time.monotonic() < deadline:
@@ -169,15 +185,7 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(
     assert report.ok, f"{text}\n{report.summary}"
     committed = max(r.step for r in report.results)
     assert 0 < committed < script.BATCHES, f"not killed mid-epoch: {committed}\n{text}"
-
-    status, text = zygote.train(folder, start_method)
-    assert status == 0, text
-    assert lines(text, "start") == [committed], text
-    assert lines(text, "done") == [TOTAL], text
-    final = zygote.final()
-    assert final.keys() == reference.keys()
-    for key, value in reference.items():
-        assert torch.equal(final[key], value), f"{start_method}: {key} differs after the kill"
+    zygote.resumes_to(reference, folder, start_method)
 
 
 @pytest.mark.slow
@@ -197,14 +205,7 @@ def test_randomness_per_batch_in_workers_resumes_bit_identically(
     assert status == -signal.SIGKILL, text
     committed = max(r.step for r in CheckpointStore(folder, keep=None).verify().results)
     assert 0 < committed < script.BATCHES, f"not killed mid-epoch: {committed}\n{text}"
-    status, text = zygote.train(folder, "fork", kind=kind)
-    assert status == 0, text
-    assert lines(text, "start") == [committed], text
-    assert lines(text, "done") == [TOTAL], text
-    final = zygote.final()
-    assert final.keys() == reference.keys()
-    for key, value in reference.items():
-        assert torch.equal(final[key], value), f"{kind}: {key} differs after the kill"
+    zygote.resumes_to(reference, folder, "fork", kind=kind)
 
 
 @pytest.mark.slow

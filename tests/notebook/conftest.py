@@ -27,6 +27,19 @@ PLATFORM_VARIABLES = DETECTION_VARIABLES
 KERNEL_NAME = "nbresume-test-venv"
 
 
+def train_cell(steps: int) -> str:
+    """A cell that trains a small model for ``steps`` steps in ``run`` (made by an earlier
+    cell's ``nbresume.init``), saving every 10 steps."""
+    return f"""
+from testkit.stateful import Weights
+
+model = Weights()
+ckpt = run.checkpointer(model=model, every=10, async_save=False)
+for step in ckpt.steps({steps}):
+    model.w += 1
+"""
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on (connections to it are refused at once)."""
     with socket.socket() as sock:

@@ -8,16 +8,11 @@ from typing import Any
 
 import pytest
 
+from .conftest import train_cell
+
 pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
 
-TRAIN = """
-from testkit.stateful import Weights
-
-model = Weights()
-ckpt = run.checkpointer(model=model, every=10, async_save=False)
-for step in ckpt.steps(12):
-    model.w += 1
-"""
+TRAIN = train_cell(12)
 
 
 def test_a_wrong_option_of_doctor_or_verify_fails_the_cell(

@@ -19,16 +19,11 @@ from nbresume.checkpoint import events
 from nbresume.notebook import _extension
 from nbresume.notebook.status_line import StatusLine
 
+from .conftest import train_cell
+
 pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
 
-TRAIN = """
-from testkit.stateful import Weights
-
-model = Weights()
-ckpt = run.checkpointer(model=model, every=10, async_save=False)
-for step in ckpt.steps(25):
-    model.w += 1
-"""
+TRAIN = train_cell(25)
 
 
 def run_cell(shell: Any, code: str) -> Any:

@@ -41,3 +41,20 @@ def trained_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
         for key, value in values.items():
             tensors[f"optimizer.{index}.{key}"] = value.detach().to("cpu", copy=True)
     return tensors
+
+
+def assert_restored_exactly(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    restored: nn.Module,
+    restored_optimizer: torch.optim.Optimizer,
+) -> None:
+    """``restored`` and ``restored_optimizer`` hold exactly the tensors of ``model`` and
+    ``optimizer``, each optimizer tensor on its device (a step count stays on the host)."""
+    for key, value in model.state_dict().items():
+        assert torch.equal(restored.state_dict()[key], value), key
+    for index, state in optimizer.state_dict()["state"].items():
+        again = restored_optimizer.state_dict()["state"][index]
+        for key, value in state.items():
+            assert torch.equal(again[key], value), (index, key)
+            assert again[key].device == value.device, (index, key)
