@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from nbresume.platforms.base import DETECTION_VARIABLES
+from testkit.ports import free_port
 
 #: What makes a platform recognise itself (the one list the detectors are checked against).
 PLATFORM_VARIABLES = DETECTION_VARIABLES
@@ -40,13 +40,6 @@ for step in ckpt.steps({steps}):
 """
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (connections to it are refused at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No platform variables, nbresume's folders in ``tmp_path``, no internet, a session that
@@ -59,7 +52,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("NBRESUME_COLAB_MARKER", str(world / "no-colab"))
     monkeypatch.setenv("NBRESUME_KAGGLE_ROOT", str(world / "no-kaggle"))
     monkeypatch.setenv("NBRESUME_PROBE_HOST", "127.0.0.1")
-    monkeypatch.setenv("NBRESUME_PROBE_PORT", str(closed_port()))
+    monkeypatch.setenv("NBRESUME_PROBE_PORT", str(free_port()))
     monkeypatch.setenv("NBRESUME_SESSION_START", str(time.time() - 60))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     return world
