@@ -164,23 +164,38 @@ RUN_DAMAGES: dict[str, Callable[[Path], Any]] = {
 }
 
 
-def test_every_reader_gives_a_checkpointer_s_run_the_same_verdict(
-    run_template: Path, tmp_path: Path
+def check_damaged_copies(
+    template: Path,
+    damages: dict[str, Callable[[Path], Any]],
+    tmp_path: Path,
+    restore: str,
+    *,
+    good: int,
+    newer: int,
 ) -> None:
-    ops, rows = [], list(RUN_DAMAGES)
+    """Each damage done to the step ``newer`` of its own copy of the run ``template``: verify,
+    ``restore``, load and pull each give every copy the same verdict (``good`` is the step
+    before, which is intact)."""
+    ops, rows = [], list(damages)
     for index, name in enumerate(rows):
-        run = Path(shutil.copytree(run_template, tmp_path / f"run{index}"))
-        RUN_DAMAGES[name](run / "000000000020")
-        ops += [("verify", str(run)), ("restore", str(run)), ("load", str(run))]
+        run = Path(shutil.copytree(template, tmp_path / f"run{index}"))
+        damages[name](run / f"{newer:012d}")
+        ops += [("verify", str(run)), (restore, str(run)), ("load", str(run))]
         ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
     reports = run_ops(ops)
-    good, newer = (10, "000000000010"), (20, "000000000020")
+    steps = (good, f"{good:012d}"), (newer, f"{newer:012d}")
     check_table(
         {
-            name: [verdict(r, good, newer) for r in reports[4 * index : 4 * index + 4]]
+            name: [verdict(r, *steps) for r in reports[4 * index : 4 * index + 4]]
             for index, name in enumerate(rows)
         }
     )
+
+
+def test_every_reader_gives_a_checkpointer_s_run_the_same_verdict(
+    run_template: Path, tmp_path: Path
+) -> None:
+    check_damaged_copies(run_template, RUN_DAMAGES, tmp_path, "restore", good=10, newer=20)
 
 
 # -- a run two FSDP2 ranks saved, read in one process ----------------------------------------
@@ -226,20 +241,7 @@ def test_every_reader_gives_a_sharded_run_the_same_verdict(
         "the sharded files removed, and the manifest's entries": shards_removed,
         "a sharded object the metadata does not hold": sharded_object_unknown,
     }
-    ops, rows = [], list(damages)
-    for index, name in enumerate(rows):
-        run = Path(shutil.copytree(sharded_template, tmp_path / f"run{index}"))
-        damages[name](run / "000000000003")
-        ops += [("verify", str(run)), ("restore-plain", str(run)), ("load", str(run))]
-        ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
-    reports = run_ops(ops)
-    good, newer = (2, "000000000002"), (3, "000000000003")
-    check_table(
-        {
-            name: [verdict(r, good, newer) for r in reports[4 * index : 4 * index + 4]]
-            for index, name in enumerate(rows)
-        }
-    )
+    check_damaged_copies(sharded_template, damages, tmp_path, "restore-plain", good=2, newer=3)
 
 
 # -- the frameworks' folders --------------------------------------------------------------------

@@ -63,6 +63,21 @@ class Case:
 SLURM_END = time.time() + 3 * HOUR
 
 
+def _kaggle_case(case_id: str, run_type: str, *, strict: bool) -> Case:
+    """Kaggle, its session run interactively or as a committed (batch) run."""
+    return Case(
+        case_id,
+        env=lambda w: {"KAGGLE_KERNEL_RUN_TYPE": run_type},
+        root=lambda w: w / "kaggle" / "working" / "nbresume" / NAME,
+        cap_accelerated=9 * HOUR,
+        cap_cpu=12 * HOUR,
+        strict=strict,
+        gpu_fix="Settings → Accelerator",
+        clocks={"session cap": 12 * HOUR},
+        setup=lambda w: (w / "kaggle" / "working").mkdir(parents=True),
+    )
+
+
 def _colab_setup(world: Path) -> None:
     (world / "content").mkdir()
     (world / "drive-cloud").mkdir()  # what the Drive stand-in serves as "Google's servers"
@@ -93,28 +108,8 @@ CASES = [
         setup=_colab_setup,
         needs_drive=True,
     ),
-    Case(
-        "kaggle",
-        env=lambda w: {"KAGGLE_KERNEL_RUN_TYPE": "Interactive"},
-        root=lambda w: w / "kaggle" / "working" / "nbresume" / NAME,
-        cap_accelerated=9 * HOUR,
-        cap_cpu=12 * HOUR,
-        strict=False,
-        gpu_fix="Settings → Accelerator",
-        clocks={"session cap": 12 * HOUR},
-        setup=lambda w: (w / "kaggle" / "working").mkdir(parents=True),
-    ),
-    Case(
-        "kaggle-batch",
-        env=lambda w: {"KAGGLE_KERNEL_RUN_TYPE": "Batch"},
-        root=lambda w: w / "kaggle" / "working" / "nbresume" / NAME,
-        cap_accelerated=9 * HOUR,
-        cap_cpu=12 * HOUR,
-        strict=True,
-        gpu_fix="Settings → Accelerator",
-        clocks={"session cap": 12 * HOUR},
-        setup=lambda w: (w / "kaggle" / "working").mkdir(parents=True),
-    ),
+    _kaggle_case("kaggle", "Interactive", strict=False),
+    _kaggle_case("kaggle-batch", "Batch", strict=True),
     Case(
         "slurm",
         env=lambda w: {"SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(int(SLURM_END))},
