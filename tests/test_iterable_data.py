@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
 import random
 import signal
 import subprocess
@@ -35,6 +34,7 @@ from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 from nbresume.resumecheck.compare import RNG, compare, final_checkpoints
 from testkit.paths import ROOT
+from testkit.runs import replayable_rng, reported, steps_on_disk
 from zygote import CHILD_ENV, Zygote
 
 SCRIPT = Path(runs.__file__)
@@ -212,10 +212,6 @@ def test_the_batch_size_of_a_stream_changes_in_its_epoch_only_without_workers() 
 # -- training: stopped, and killed, twice ------------------------------------------------------
 
 
-def steps_on_disk(folder: Path) -> list[int]:
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Tensors]:
     """The uninterrupted run of every shape and worker count, computed once."""
@@ -259,7 +255,7 @@ class IterableRuns(Zygote):
         """Train in ``folder``; with ``kill_at``, SIGKILL the process once it has reported
         that step. Returns (exit status, what it printed)."""
         command = {"folder": str(folder), "shape": shape, "workers": workers}
-        kill_when = None if kill_at is None else (lambda text: kill_at in steps(text))
+        kill_when = None if kill_at is None else (lambda text: kill_at in reported(text, "step"))
         return self.run(command, kill_when=kill_when, pause=0.02)
 
 
@@ -270,16 +266,10 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IterableRuns]:
     server.close()
 
 
-def steps(text: str, kind: str = "step") -> list[int]:
-    return [int(line.split()[1]) for line in text.splitlines() if line.startswith(kind + " ")]
-
-
 @pytest.fixture
 def kill_rng(request: pytest.FixtureRequest) -> random.Random:
     """Where the kills land; the seed is printed and NBRESUME_ITERABLE_SEED replays it."""
-    seed = int(os.environ.get("NBRESUME_ITERABLE_SEED") or random.SystemRandom().randrange(10**9))
-    print(f"{request.node.nodeid}: seed {seed} (replay: NBRESUME_ITERABLE_SEED={seed})")
-    return random.Random(seed)
+    return replayable_rng(request, "NBRESUME_ITERABLE_SEED")
 
 
 @pytest.mark.slow
@@ -304,7 +294,7 @@ def test_a_run_killed_twice_resumes_bit_identically(
         status, text = zygote.train(folder, shape, workers, kill_at=kill_at)
         context = f"killed at step {kill_at} of {shape} with {workers} workers:\n{text}"
         assert status == -signal.SIGKILL, context
-        assert steps(text, "start") == [resume_from], context
+        assert reported(text, "start") == [resume_from], context
         assert "error " not in text, context
         report = CheckpointStore(folder, keep=None).verify()
         assert report.ok, f"{context}\n{report.summary}"
@@ -314,8 +304,8 @@ def test_a_run_killed_twice_resumes_bit_identically(
 
     status, text = zygote.train(folder, shape, workers)
     assert status == 0, text
-    assert steps(text, "start") == [resume_from], text
-    assert steps(text, "done") == [runs.TOTAL], text
+    assert reported(text, "start") == [resume_from], text
+    assert reported(text, "done") == [runs.TOTAL], text
     assert_same(zygote.final(), reference[shape, workers], f"{shape}, {workers} workers, killed")
 
 

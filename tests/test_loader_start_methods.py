@@ -27,6 +27,7 @@ import torch
 
 import train_loader_workers as script
 from nbresume.checkpoint.store import CheckpointStore
+from testkit.runs import reported
 from zygote import Zygote, reached
 
 SCRIPT = Path(script.__file__)
@@ -50,10 +51,6 @@ START_METHODS = [
 TOTAL = script.EPOCHS * script.BATCHES
 #: Killed once it reported this step: after the checkpoints of steps 3 and 6, mid-epoch.
 KILL_AT = 2 * script.EVERY + 1
-
-
-def lines(text: str, kind: str) -> list[int]:
-    return [int(line.split()[1]) for line in text.splitlines() if line.startswith(kind + " ")]
 
 
 def process_group(pgid: int) -> dict[int, str]:
@@ -130,8 +127,8 @@ class WorkerRuns(Zygote):
         committed = max(r.step for r in CheckpointStore(folder, keep=None).verify().results)
         status, text = self.train(folder, start_method, **options)
         assert status == 0, text
-        assert lines(text, "start") == [committed], text
-        assert lines(text, "done") == [TOTAL], text
+        assert reported(text, "start") == [committed], text
+        assert reported(text, "done") == [TOTAL], text
         final = self.final()
         assert final.keys() == reference.keys()
         for key, value in reference.items():
@@ -159,7 +156,7 @@ def reference(
     """The uninterrupted run, its workers forked."""
     status, text = zygote.train(tmp_path_factory.mktemp("reference") / "run", "fork")
     assert status == 0, text
-    assert lines(text, "done") == [TOTAL], text
+    assert reported(text, "done") == [TOTAL], text
     # One pass per epoch, two workers per pass, each forked from the trainer.
     assert text.count("worker fresh=False parent=trainer") == 2 * script.EPOCHS, text
     return zygote.final()
@@ -173,7 +170,7 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(
     folder = tmp_path / "run"
     status, text = zygote.train(folder, start_method, kill_at=KILL_AT)
     assert status == -signal.SIGKILL, text
-    assert lines(text, "start") == [0], text
+    assert reported(text, "start") == [0], text
     assert "error " not in text, text
     # The workers are new interpreters that imported the dataset's module again; a forkserver
     # worker's parent is the fork server. Its worker_init_fn ran there, after nbresume's own.

@@ -26,6 +26,14 @@ from nbresume.notebook.progress import Tracker
 from testkit.stateful import Weights
 
 
+@pytest.fixture
+def panel(tracker: Tracker) -> Panel:
+    """A panel that shows what the test's tracker sees."""
+    panel = Panel(tracker)
+    tracker.add_view(panel)
+    return panel
+
+
 def steps_on_disk(folder: Path) -> list[int]:
     return [info.step for info in CheckpointStore(folder, keep=None).list()]
 
@@ -37,9 +45,9 @@ def data_state(html: str) -> tuple[str, str]:
     return step, state
 
 
-def test_panel_shows_progress_and_the_verified_checkpoint(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
+def test_panel_shows_progress_and_the_verified_checkpoint(
+    tracker: Tracker, panel: Panel, tmp_path: Path
+) -> None:
     model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=10, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(25):
@@ -81,9 +89,9 @@ def test_panel_starts_with_the_checkpoint_already_in_the_folder(
         fresh.stop()
 
 
-def test_save_now_saves_at_the_next_step_boundary(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
+def test_save_now_saves_at_the_next_step_boundary(
+    tracker: Tracker, panel: Panel, tmp_path: Path
+) -> None:
     model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for step in ckpt.steps(30):
@@ -97,9 +105,9 @@ def test_save_now_saves_at_the_next_step_boundary(tracker: Tracker, tmp_path: Pa
     np.testing.assert_array_equal(loaded.tensors["model"]["w"], np.full(4, 11.0))
 
 
-def test_stop_and_save_ends_the_loop_cleanly(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
+def test_stop_and_save_ends_the_loop_cleanly(
+    tracker: Tracker, panel: Panel, tmp_path: Path
+) -> None:
     model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     ran = []
@@ -128,10 +136,8 @@ def test_stop_and_save_ends_the_loop_cleanly(tracker: Tracker, tmp_path: Path) -
 
 
 def test_buttons_do_nothing_harmful_without_a_running_loop(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     panel.stop_button.click()
     assert "no training loop is running" in panel.message.value
     panel.save_button.click()
@@ -187,10 +193,8 @@ class WriteBackStore(LocalStore):
 
 
 def test_write_back_store_shows_syncing_until_the_store_confirms(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     store = WriteBackStore(tmp_path / "drive" / "run")
     model = Weights(4)
     ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
@@ -210,9 +214,7 @@ def test_write_back_store_shows_syncing_until_the_store_confirms(
     ckpt.durability.close()
 
 
-def test_a_failed_save_is_shown_as_failed(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
+def test_a_failed_save_is_shown_as_failed(tracker: Tracker, panel: Panel, tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the checkpoints should go")
     ckpt = Checkpointer(blocker, every=None, async_save=False, deadline=None, model=Weights(4))
@@ -222,9 +224,7 @@ def test_a_failed_save_is_shown_as_failed(tracker: Tracker, tmp_path: Path) -> N
     assert panel.bar.bar_style == "danger"
 
 
-def test_unknown_event_kinds_change_nothing(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
+def test_unknown_event_kinds_change_nothing(tracker: Tracker, panel: Panel, tmp_path: Path) -> None:
     model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(4):
@@ -252,10 +252,8 @@ def test_the_core_imports_no_ui(tmp_path: Path) -> None:
 
 
 def test_events_reach_the_tracker_from_the_background_writer(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=5, async_save=True, deadline=None, model=model)
     for _ in ckpt.steps(12):
@@ -279,10 +277,8 @@ def safe_line(panel: Panel, confirmed: str, timeout: float = 30) -> str:
 
 
 def test_safe_to_close_line_shows_the_local_disk_confirmed(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     assert panel.safe.value == ""  # nothing asked before a checkpoint exists
     model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
@@ -295,9 +291,9 @@ def test_safe_to_close_line_shows_the_local_disk_confirmed(
     assert "fsynced to the local disk" in line
 
 
-def test_safe_to_close_line_waits_for_a_write_back_store(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
+def test_safe_to_close_line_waits_for_a_write_back_store(
+    tracker: Tracker, panel: Panel, tmp_path: Path
+) -> None:
     store = WriteBackStore(tmp_path / "drive" / "run")
     model = Weights(4)
     ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
@@ -334,10 +330,8 @@ class SlowToAnswerStore(LocalStore):
 
 
 def test_asking_the_storage_never_holds_up_the_training_loop(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     store = SlowToAnswerStore(tmp_path / "run")
     model = Weights(4)
     ckpt = Checkpointer(store, every=None, keep=None, async_save=False, deadline=None, model=model)
