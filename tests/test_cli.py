@@ -20,6 +20,7 @@ from nbresume import CheckpointStore
 from nbresume.checkpoint.format import step_dirname
 from nbresume.cli import build_parser
 from testkit.cli import run_cli as run
+from testkit.supervisor import RecordedJob
 
 
 def commands() -> list[str]:
@@ -242,13 +243,11 @@ def test_status_notes_a_folder_that_stopped_getting_checkpoints(
 def test_status_warns_when_a_running_job_has_not_saved_for_twice_the_usual_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], forge_manifest: Callable[..., Path]
 ) -> None:
-    from testkit.supervisor import a_recorded_job
-
     # Every 10 minutes until 25 minutes ago, while the job (a `sleep` here, recorded as
     # `nbresume run` records a job) still runs: more than twice 10 minutes.
     ckpt = tmp_path / "ckpt"
     forge_history(ckpt, forge_manifest, [55, 45, 35, 25])
-    with a_recorded_job(ckpt, tmp_path, started=time.time() - 3600):
+    with RecordedJob(ckpt, tmp_path, started=time.time() - 3600):
         code, out, _ = run(["status", str(ckpt)], capsys)
     assert code == 0, out
     assert "last verified checkpoint: step 400, 25 min ago" in out

@@ -212,6 +212,12 @@ def test_the_batch_size_of_a_stream_changes_in_its_epoch_only_without_workers() 
 # -- training: stopped, and killed, twice ------------------------------------------------------
 
 
+@pytest.fixture
+def kill_rng(request: pytest.FixtureRequest) -> random.Random:
+    """Where the kills land; the seed is printed and NBRESUME_ITERABLE_SEED replays it."""
+    return replayable_rng(request, "NBRESUME_ITERABLE_SEED")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Tensors]:
     """The uninterrupted run of every shape and worker count, computed once."""
@@ -264,12 +270,6 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IterableRuns]:
     server = IterableRuns(tmp_path_factory.mktemp("zygote"))
     yield server
     server.close()
-
-
-@pytest.fixture
-def kill_rng(request: pytest.FixtureRequest) -> random.Random:
-    """Where the kills land; the seed is printed and NBRESUME_ITERABLE_SEED replays it."""
-    return replayable_rng(request, "NBRESUME_ITERABLE_SEED")
 
 
 @pytest.mark.slow

@@ -314,18 +314,12 @@ def test_safe_to_close_line_waits_for_a_write_back_store(
     ckpt.durability.close()
 
 
-class SlowToAnswerStore(LocalStore):
-    """A write-back store whose answer about an upload takes until the test allows it."""
-
-    write_back = True
-    durability_poll_s = 0.02
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.answer = threading.Event()
+class SlowToAnswerStore(WriteBackStore):
+    """A write-back store whose answer about an upload takes until the test says it has
+    uploaded."""
 
     def durability(self, folder: str, manifest: Manifest) -> Durability:
-        self.answer.wait(60)
+        self.uploaded.wait(60)
         return Durability(SAVED)
 
 
@@ -341,7 +335,7 @@ def test_asking_the_storage_never_holds_up_the_training_loop(
         model.w += 1
     assert ckpt.done
     assert panel.safe.value == ""  # no answer yet, so nothing is claimed
-    store.answer.set()
+    store.uploaded.set()
     line = safe_line(panel, "true")
     assert 'data-step="5"' in line
     assert ckpt.durability is not None

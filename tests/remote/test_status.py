@@ -17,7 +17,7 @@ from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.procfs import process_runs
 from nbresume.pull import is_kaggle_ref
 from testkit.cli import run_cli
-from testkit.supervisor import a_recorded_job
+from testkit.supervisor import RecordedJob
 
 from .conftest import (
     HANG_S,
@@ -185,7 +185,7 @@ def test_a_live_job_that_stopped_saving_is_flagged(
         (folder / "state.json").write_text(f'{{"step": {step}}}')
         created = (now - timedelta(minutes=minutes_ago)).isoformat(timespec="seconds")
         forge_manifest(folder, created=created)
-    with a_recorded_job(ckpt, tmp_path, started=(now - timedelta(hours=4)).timestamp()) as job:
+    with RecordedJob(ckpt, tmp_path, started=(now - timedelta(hours=4)).timestamp()) as job:
         code, out, _ = status(ckpt, capsys)
 
     assert code == 0, out
