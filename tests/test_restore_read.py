@@ -37,7 +37,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bytes(a.numpy()) == bytes(b.numpy())
 
 
-@pytest.mark.parametrize("hash_name", ["xxh3-128", "sha256"])
 def record_prefaults(monkeypatch: pytest.MonkeyPatch) -> list[hashing.Prefault]:
     """Every prefaulting thread the store's reads start from now on, in order."""
     started: list[hashing.Prefault] = []
@@ -51,6 +50,7 @@ def record_prefaults(monkeypatch: pytest.MonkeyPatch) -> list[hashing.Prefault]:
     return started
 
 
+@pytest.mark.parametrize("hash_name", ["xxh3-128", "sha256"])
 def test_a_large_file_is_restored_bit_for_bit(tmp_path: Path, hash_name: str) -> None:
     state = big_state(0)
     store = CheckpointStore(tmp_path / "run", keep=None, hash=hash_name)
