@@ -97,6 +97,16 @@ def tracker() -> Any:
     tracker.stop()
 
 
+@pytest.fixture
+def panel(tracker: Any) -> Any:
+    """A panel that shows what the test's tracker sees (the test needs ipywidgets)."""
+    from nbresume.notebook.panel import Panel
+
+    panel = Panel(tracker)
+    tracker.add_view(panel)
+    return panel
+
+
 @pytest.fixture(scope="session")
 def _shell_history_closed_at_the_end() -> Iterator[None]:
     """IPython's test shell writes its history at interpreter exit, into a database in the

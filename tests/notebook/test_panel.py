@@ -26,14 +26,6 @@ from nbresume.notebook.progress import Tracker
 from testkit.stateful import Weights
 
 
-@pytest.fixture
-def panel(tracker: Tracker) -> Panel:
-    """A panel that shows what the test's tracker sees."""
-    panel = Panel(tracker)
-    tracker.add_view(panel)
-    return panel
-
-
 def steps_on_disk(folder: Path) -> list[int]:
     return [info.step for info in CheckpointStore(folder, keep=None).list()]
 
