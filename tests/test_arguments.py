@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tests.stateful import QUIET, Counter
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.errors import ArgumentError, NbresumeError, UsageError
+from testkit.stateful import QUIET, Counter
 
 
 def refused(call: str, fix: str) -> Any:

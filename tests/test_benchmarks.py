@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks import loop, report, stall
+from benchmarks.__main__ import PAGES
+from benchmarks.tools import TOOLS, Tool
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import loop, report, stall  # noqa: E402
-from benchmarks.__main__ import PAGES  # noqa: E402
-from benchmarks.tools import TOOLS, Tool  # noqa: E402
+from testkit.paths import ROOT
 
 pytestmark = pytest.mark.slow
 

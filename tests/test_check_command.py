@@ -33,8 +33,9 @@ from nbresume import knobs
 from nbresume.checkpoint.loop import Cadence
 from nbresume.resumecheck import causes, observe
 from nbresume.resumecheck.compare import MODEL, Comparison, Difference
+from testkit.paths import ROOT, with_testkit
+from testkit.stateful import Weights
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "check_scripts"
 STEPS = 12
 SEED = 7
@@ -49,7 +50,7 @@ def environment(tmp: Path) -> dict[str, str]:
         NBRESUME_PROBE_PORT="9",
         OMP_NUM_THREADS="1",
     )
-    return env
+    return with_testkit(env)  # the scripts' stateful objects come from testkit.stateful
 
 
 @dataclass
@@ -312,8 +313,8 @@ def test_a_script_that_fails_is_reported_with_its_output_and_nothing_is_left(
 #: waits to be ended. Elsewhere it trains four steps and saves, as a script under check does.
 LINGERING = """
 import os, subprocess, sys, time
-import numpy as np
 import nbresume
+from testkit.stateful import Weights
 
 run = os.environ["NBRESUME_CHECK_DIR"].rsplit("/", 1)[-1]
 if f"hang-in={run}" in sys.argv or (run == "run1b" and "hang-in=run1" in sys.argv):
@@ -326,17 +327,6 @@ if f"hang-in={run}" in sys.argv or (run == "run1b" and "hang-in=run1" in sys.arg
     if "fail" in sys.argv:
         raise SystemExit(3)
     time.sleep(600)
-
-
-class Weights:
-    def __init__(self):
-        self.w = np.zeros(3)
-
-    def state_dict(self):
-        return {"w": self.w.copy()}
-
-    def load_state_dict(self, state):
-        self.w = np.asarray(state["w"]).copy()
 
 
 weights = Weights()
@@ -491,19 +481,6 @@ def test_a_huge_log_is_read_for_its_last_lines_only(tmp_path: Path) -> None:
 
 
 # -- the knobs the command sets --------------------------------------------------------------
-
-
-class Weights:
-    """A stateful object without torch: a vector that each step changes."""
-
-    def __init__(self) -> None:
-        self.w = np.zeros(3)
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        return {"w": self.w.copy()}
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        self.w = np.asarray(state["w"]).copy()
 
 
 def test_check_dir_gives_each_checkpoint_folder_a_sub_folder_named_after_it(

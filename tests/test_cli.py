@@ -18,23 +18,15 @@ import torch
 
 from nbresume import CheckpointStore
 from nbresume.checkpoint.format import step_dirname
-from nbresume.cli import build_parser, main
+from nbresume.cli import build_parser
+from testkit.cli import run_cli as run
+from testkit.supervisor import RecordedJob
 
 
 def commands() -> list[str]:
     parser = build_parser()
     [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return sorted(sub.choices)
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """Run the command in-process; argparse's exits become return codes."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -251,37 +243,12 @@ def test_status_notes_a_folder_that_stopped_getting_checkpoints(
 def test_status_warns_when_a_running_job_has_not_saved_for_twice_the_usual_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], forge_manifest: Callable[..., Path]
 ) -> None:
-    from nbresume.checkpoint.procfs import boot_id
-    from nbresume.runner import RunState, process_start, state_path
-
     # Every 10 minutes until 25 minutes ago, while the job (a `sleep` here, recorded as
     # `nbresume run` records a job) still runs: more than twice 10 minutes.
     ckpt = tmp_path / "ckpt"
     forge_history(ckpt, forge_manifest, [55, 45, 35, 25])
-    job = subprocess.Popen(["sleep", "120"])
-    try:
-        started = time.time() - 3600
-        state = RunState(
-            command=["python", "train.py"],
-            log=str(ckpt / "nbresume-run.log"),
-            cwd=str(tmp_path),
-            dir=str(ckpt),
-            boot_id=boot_id(),
-            started=started,
-            status="running",
-            supervisor_pid=job.pid,
-            supervisor_start=process_start(job.pid),
-            pid=job.pid,
-            pid_start=process_start(job.pid),
-            pgid=job.pid,
-            attempt=1,
-            attempt_started=started,
-        )
-        state.write(state_path(Path(state.log)))
+    with RecordedJob(ckpt, tmp_path, started=time.time() - 3600):
         code, out, _ = run(["status", str(ckpt)], capsys)
-    finally:
-        job.kill()
-        job.wait()
     assert code == 0, out
     assert "last verified checkpoint: step 400, 25 min ago" in out
     assert (

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import torch
 
 from nbresume import CheckpointStore
 from nbresume.checkpoint.format import step_dirname
+from testkit.ports import free_port
 
 #: Every command that takes a checkpoint folder, with the arguments it needs besides it.
 FOLDER_COMMANDS = {
@@ -151,20 +151,13 @@ def test_a_file_system_package_that_is_not_installed(
     assert line.endswith(f"Fix: {install}")
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (connections to it are refused at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def s3_env(tmp_path: Path) -> dict[str, str]:
     """An environment without any AWS credentials, S3 pointed at a closed loopback port, and
     the instance metadata service (another place credentials come from) turned off."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port()}",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}",
         AWS_EC2_METADATA_DISABLED="true",
         AWS_CONFIG_FILE=str(tmp_path / "no-aws-config"),
         AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-aws-credentials"),

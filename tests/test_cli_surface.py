@@ -5,18 +5,18 @@ the place every error names."""
 from __future__ import annotations
 
 import os
-import pty
-import select
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 import nbresume
 from nbresume.cli import build_parser
+from testkit.paths import with_testkit
+from testkit.stateful import Counter
+from testkit.terminal import stderr_on_a_terminal
 
 ENV = {
     **{k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")},
@@ -103,18 +103,10 @@ def test_prune_on_a_folder_that_does_not_exist_is_an_error(tmp_path: Path) -> No
 
 SCRIPT = """
 import sys
-import numpy as np
 import nbresume
+from testkit.stateful import Weights
 
-class Model:
-    def __init__(self):
-        self.w = np.zeros(4)
-    def state_dict(self):
-        return {"w": self.w.copy()}
-    def load_state_dict(self, state):
-        self.w = np.asarray(state["w"]).copy()
-
-model = Model()
+model = Weights(4)
 quiet = sys.argv[2] == "quiet"
 ckpt = nbresume.Checkpointer(sys.argv[1], every=5, async_save=False, quiet=quiet, model=model)
 for step in ckpt.steps(12):
@@ -124,20 +116,21 @@ print(ckpt.wait(durable=True, timeout=60))
 """
 
 
-def _script(tmp_path: Path) -> Path:
+def _argv(tmp_path: Path, mode: str) -> list[str]:
+    """The plain script, run with its progress "loud" or "quiet"."""
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(SCRIPT))
-    return path
+    return [sys.executable, str(path), str(tmp_path / "run"), mode]
+
+
+def _run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _argv(tmp_path, mode), capture_output=True, text=True, env=with_testkit(ENV), timeout=120
+    )
 
 
 def test_a_bare_checkpointer_logs_its_checkpoints_to_stderr(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(_script(tmp_path)), str(tmp_path / "run"), "loud"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=120,
-    )
+    done = _run_script(tmp_path, "loud")
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
     for step in (5, 10, 12):
@@ -147,44 +140,16 @@ def test_a_bare_checkpointer_logs_its_checkpoints_to_stderr(tmp_path: Path) -> N
 
 
 def test_quiet_turns_the_progress_off(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(_script(tmp_path)), str(tmp_path / "run"), "quiet"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=120,
-    )
+    done = _run_script(tmp_path, "quiet")
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
 
 
 def test_a_bare_checkpointer_on_a_terminal_draws_one_live_line(tmp_path: Path) -> None:
-    controller, terminal = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, str(_script(tmp_path)), str(tmp_path / "run"), "loud"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=terminal,
-        env={**ENV, "COLUMNS": "200"},
+    code, output = stderr_on_a_terminal(
+        _argv(tmp_path, "loud"), with_testkit({**ENV, "COLUMNS": "200"})
     )
-    os.close(terminal)
-    output = b""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([controller], [], [], 1.0)
-        if not ready:
-            if proc.poll() is not None:
-                break
-            continue
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
-        output += chunk
-    os.close(controller)
-    assert proc.wait(timeout=60) == 0
+    assert code == 0
     text = output.decode(errors="replace")
     assert "\r" in text  # redrawn in place
     assert "nbresume: done: step 12 of 12" in text or "step 12 of 12 (100%)" in text
@@ -194,24 +159,13 @@ def test_a_bare_checkpointer_on_a_terminal_draws_one_live_line(tmp_path: Path) -
 # -- wait(durable=True) --------------------------------------------------------------------------
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"n": self.n}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.n = int(state["n"])
-
-
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_wait_durable_says_what_the_storage_confirmed(tmp_path: Path, where: str) -> None:
     folder = str(tmp_path / "run") if where == "local" else f"memory://{tmp_path.name}/run"
     counter = Counter()
     ckpt = nbresume.Checkpointer(folder, every=None, deadline=None, quiet=True, counter=counter)
     try:
-        counter.n = 7
+        counter.count = 7
         ckpt.save(3)  # in the background: wait() finishes it first
         confirmed = ckpt.wait(durable=True, timeout=30)
         assert confirmed is not None

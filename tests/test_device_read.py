@@ -20,6 +20,7 @@ from nbresume.checkpoint.state import restoring
 from nbresume.checkpoint.store import reading
 from nbresume.checkpoint.store.hashing import Digests
 from nbresume.errors import NoCheckpointError
+from testkit.training import assert_restored_exactly
 
 CPU = torch.device("cpu")
 
@@ -105,13 +106,7 @@ def test_a_checkpointer_restore_through_the_device_path_is_exact(
     ) as ck:
         assert ck.restore() == 2
     assert asked
-    for key, value in model.state_dict().items():
-        assert torch.equal(restored.state_dict()[key], value), key
-    for index, state in optimizer.state_dict()["state"].items():
-        again = restored_opt.state_dict()["state"][index]
-        for key, value in state.items():
-            assert torch.equal(again[key], value), (index, key)
-            assert again[key].device == value.device, (index, key)
+    assert_restored_exactly(model, optimizer, restored, restored_opt)
 
 
 class Handle(io.BytesIO):

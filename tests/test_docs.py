@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 import nbresume
-
-ROOT = Path(__file__).resolve().parents[1]
+from testkit.paths import ROOT
 
 pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
 pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed")

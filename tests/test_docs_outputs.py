@@ -42,7 +42,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from testkit.paths import ROOT
+
 PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```console\s*$")
 MARKER = re.compile(r"^<!-- output: (?P<how>.+?) -->$")

@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 
 from nbresume import CheckpointStore
+from testkit.paths import ROOT
 
 GOLDEN = Path(__file__).parent / "golden"
 V1 = GOLDEN / "v1"
@@ -103,7 +104,7 @@ def test_the_golden_files_are_committed_not_ignored() -> None:
         "optimizer.safetensors",
         "state.json",
     ]
-    if shutil.which("git") is None or not (GOLDEN.parents[1] / ".git").exists():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     ignored = subprocess.run(
         ["git", "check-ignore", *map(str, files)], cwd=GOLDEN, capture_output=True, text=True

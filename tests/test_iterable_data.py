@@ -12,11 +12,9 @@ and optimizer state must be bit-identical to a run that was never interrupted.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import multiprocessing
-import os
 import random
 import signal
 import subprocess
@@ -30,20 +28,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+import train_iterable as runs
 from nbresume import ResumableLoader
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 from nbresume.resumecheck.compare import RNG, compare, final_checkpoints
+from testkit.paths import ROOT
+from testkit.runs import replayable_rng, reported, steps_on_disk
 from zygote import CHILD_ENV, Zygote
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).with_name("train_iterable.py")
+SCRIPT = Path(runs.__file__)
 RECIPE = ROOT / "docs" / "recipes" / "iterable_dataset.py"
-_spec = importlib.util.spec_from_file_location("train_iterable", SCRIPT)
-assert _spec is not None
-assert _spec.loader is not None
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
 
 PER_EPOCH = runs.ITEMS // runs.BATCH
 WORKERS = [0, 2]
@@ -217,8 +212,10 @@ def test_the_batch_size_of_a_stream_changes_in_its_epoch_only_without_workers() 
 # -- training: stopped, and killed, twice ------------------------------------------------------
 
 
-def steps_on_disk(folder: Path) -> list[int]:
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+@pytest.fixture
+def kill_rng(request: pytest.FixtureRequest) -> random.Random:
+    """Where the kills land; the seed is printed and NBRESUME_ITERABLE_SEED replays it."""
+    return replayable_rng(request, "NBRESUME_ITERABLE_SEED")
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +261,7 @@ class IterableRuns(Zygote):
         """Train in ``folder``; with ``kill_at``, SIGKILL the process once it has reported
         that step. Returns (exit status, what it printed)."""
         command = {"folder": str(folder), "shape": shape, "workers": workers}
-        kill_when = None if kill_at is None else (lambda text: kill_at in steps(text))
+        kill_when = None if kill_at is None else (lambda text: kill_at in reported(text, "step"))
         return self.run(command, kill_when=kill_when, pause=0.02)
 
 
@@ -273,18 +270,6 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IterableRuns]:
     server = IterableRuns(tmp_path_factory.mktemp("zygote"))
     yield server
     server.close()
-
-
-def steps(text: str, kind: str = "step") -> list[int]:
-    return [int(line.split()[1]) for line in text.splitlines() if line.startswith(kind + " ")]
-
-
-@pytest.fixture
-def kill_rng(request: pytest.FixtureRequest) -> random.Random:
-    """Where the kills land; the seed is printed and NBRESUME_ITERABLE_SEED replays it."""
-    seed = int(os.environ.get("NBRESUME_ITERABLE_SEED") or random.SystemRandom().randrange(10**9))
-    print(f"{request.node.nodeid}: seed {seed} (replay: NBRESUME_ITERABLE_SEED={seed})")
-    return random.Random(seed)
 
 
 @pytest.mark.slow
@@ -309,7 +294,7 @@ def test_a_run_killed_twice_resumes_bit_identically(
         status, text = zygote.train(folder, shape, workers, kill_at=kill_at)
         context = f"killed at step {kill_at} of {shape} with {workers} workers:\n{text}"
         assert status == -signal.SIGKILL, context
-        assert steps(text, "start") == [resume_from], context
+        assert reported(text, "start") == [resume_from], context
         assert "error " not in text, context
         report = CheckpointStore(folder, keep=None).verify()
         assert report.ok, f"{context}\n{report.summary}"
@@ -319,8 +304,8 @@ def test_a_run_killed_twice_resumes_bit_identically(
 
     status, text = zygote.train(folder, shape, workers)
     assert status == 0, text
-    assert steps(text, "start") == [resume_from], text
-    assert steps(text, "done") == [runs.TOTAL], text
+    assert reported(text, "start") == [resume_from], text
+    assert reported(text, "done") == [runs.TOTAL], text
     assert_same(zygote.final(), reference[shape, workers], f"{shape}, {workers} workers, killed")
 
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from tests.stateful import QUIET
 from tests.test_loadable import reseal
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.errors import NoCheckpointError
+from testkit.stateful import QUIET
 
 #: The most a document may cost a reader, in multiples of its size.
 FACTOR = 8

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from testkit.paths import ROOT
+
 PACKAGE = ROOT / "src" / "nbresume"
 
 #: The layers of the checkpoint core, lowest first: the root's own modules (``None``), then its

@@ -30,10 +30,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import testkit.cli
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.format import MANIFEST_NAME, FileEntry, parse_manifest, step_dirname
 from nbresume.checkpoint.store.hashing import new_hash
-from nbresume.cli import main
 from nbresume.errors import CheckpointError
 from nbresume.pull import SAFE_LINE
 
@@ -302,11 +302,7 @@ def assert_restores_step_10(folder: Path, saved: dict[int, Any], victim: str) ->
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
+    code, out, err = testkit.cli.run_cli(argv, capsys)
     return code, out + err
 
 

@@ -13,7 +13,6 @@ holds for randomness drawn per batch in the workers, by a ``collate_fn`` or ``__
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import multiprocessing
 import os
 import signal
@@ -21,19 +20,17 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import train_loader_workers as script
 from nbresume.checkpoint.store import CheckpointStore
+from testkit.runs import reported
 from zygote import Zygote, reached
 
-SCRIPT = Path(__file__).with_name("train_loader_workers.py")
-_spec = importlib.util.spec_from_file_location("train_loader_workers", SCRIPT)
-assert _spec is not None
-assert _spec.loader is not None
-script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(script)
+SCRIPT = Path(script.__file__)
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),
@@ -54,10 +51,6 @@ START_METHODS = [
 TOTAL = script.EPOCHS * script.BATCHES
 #: Killed once it reported this step: after the checkpoints of steps 3 and 6, mid-epoch.
 KILL_AT = 2 * script.EVERY + 1
-
-
-def lines(text: str, kind: str) -> list[int]:
-    return [int(line.split()[1]) for line in text.splitlines() if line.startswith(kind + " ")]
 
 
 def process_group(pgid: int) -> dict[int, str]:
@@ -126,6 +119,21 @@ class WorkerRuns(Zygote):
         kill_when = None if kill_at is None else reached(kill_at)
         return self.run(command, kill_when=kill_when, pause=0.05)
 
+    def resumes_to(
+        self, reference: dict[str, torch.Tensor], folder: Path, start_method: str, **options: Any
+    ) -> None:
+        """Train again in ``folder``, killed before at its last checkpoint: the run resumes
+        from that step and ends with exactly the tensors of the uninterrupted ``reference``."""
+        committed = max(r.step for r in CheckpointStore(folder, keep=None).verify().results)
+        status, text = self.train(folder, start_method, **options)
+        assert status == 0, text
+        assert reported(text, "start") == [committed], text
+        assert reported(text, "done") == [TOTAL], text
+        final = self.final()
+        assert final.keys() == reference.keys()
+        for key, value in reference.items():
+            assert torch.equal(final[key], value), f"{start_method} {options}: {key} differs"
+
     def ended(self, pid: int) -> None:
         deadline = time.monotonic() + self.linger
         while leftovers(pid) and time.monotonic() < deadline:
@@ -148,7 +156,7 @@ def reference(
     """The uninterrupted run, its workers forked."""
     status, text = zygote.train(tmp_path_factory.mktemp("reference") / "run", "fork")
     assert status == 0, text
-    assert lines(text, "done") == [TOTAL], text
+    assert reported(text, "done") == [TOTAL], text
     # One pass per epoch, two workers per pass, each forked from the trainer.
     assert text.count("worker fresh=False parent=trainer") == 2 * script.EPOCHS, text
     return zygote.final()
@@ -162,7 +170,7 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(
     folder = tmp_path / "run"
     status, text = zygote.train(folder, start_method, kill_at=KILL_AT)
     assert status == -signal.SIGKILL, text
-    assert lines(text, "start") == [0], text
+    assert reported(text, "start") == [0], text
     assert "error " not in text, text
     # The workers are new interpreters that imported the dataset's module again; a forkserver
     # worker's parent is the fork server. Its worker_init_fn ran there, after nbresume's own.
@@ -174,15 +182,7 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(
     assert report.ok, f"{text}\n{report.summary}"
     committed = max(r.step for r in report.results)
     assert 0 < committed < script.BATCHES, f"not killed mid-epoch: {committed}\n{text}"
-
-    status, text = zygote.train(folder, start_method)
-    assert status == 0, text
-    assert lines(text, "start") == [committed], text
-    assert lines(text, "done") == [TOTAL], text
-    final = zygote.final()
-    assert final.keys() == reference.keys()
-    for key, value in reference.items():
-        assert torch.equal(final[key], value), f"{start_method}: {key} differs after the kill"
+    zygote.resumes_to(reference, folder, start_method)
 
 
 @pytest.mark.slow
@@ -202,14 +202,7 @@ def test_randomness_per_batch_in_workers_resumes_bit_identically(
     assert status == -signal.SIGKILL, text
     committed = max(r.step for r in CheckpointStore(folder, keep=None).verify().results)
     assert 0 < committed < script.BATCHES, f"not killed mid-epoch: {committed}\n{text}"
-    status, text = zygote.train(folder, "fork", kind=kind)
-    assert status == 0, text
-    assert lines(text, "start") == [committed], text
-    assert lines(text, "done") == [TOTAL], text
-    final = zygote.final()
-    assert final.keys() == reference.keys()
-    for key, value in reference.items():
-        assert torch.equal(final[key], value), f"{kind}: {key} differs after the kill"
+    zygote.resumes_to(reference, folder, "fork", kind=kind)
 
 
 @pytest.mark.slow

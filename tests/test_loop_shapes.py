@@ -10,9 +10,7 @@ the final weights and optimizer state must be bit-identical to an uninterrupted 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import random
 import signal
 import threading
@@ -25,17 +23,14 @@ import torch
 from torch.utils.data import DataLoader
 
 import nbresume
+import train_loop_shapes as shapes
 from nbresume import Checkpointer, Event
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
+from testkit.runs import replayable_rng, reported, steps_on_disk
 from zygote import Zygote, reached
 
-SCRIPT = Path(__file__).with_name("train_loop_shapes.py")
-_spec = importlib.util.spec_from_file_location("train_loop_shapes", SCRIPT)
-assert _spec is not None
-assert _spec.loader is not None
-shapes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(shapes)
+SCRIPT = Path(shapes.__file__)
 
 SHAPES = list(shapes.SHAPES)
 
@@ -51,10 +46,6 @@ def _torch_threads_as_they_were() -> Iterator[None]:
 def state_json(folder: Path, step: int) -> dict[str, Any]:
     document: dict[str, Any] = json.loads((folder / f"{step:012d}" / "state.json").read_text())
     return document
-
-
-def steps_on_disk(folder: Path) -> list[int]:
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
 
 
 def batches_consumed(shape: str, loaders: dict[str, Any]) -> int:
@@ -123,13 +114,7 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShapeRuns]:
 @pytest.fixture
 def kill_rng(request: pytest.FixtureRequest) -> random.Random:
     """Where the kills land; the seed is printed and NBRESUME_SHAPES_SEED replays it."""
-    seed = int(os.environ.get("NBRESUME_SHAPES_SEED") or random.SystemRandom().randrange(10**9))
-    print(f"{request.node.nodeid}: seed {seed} (replay: NBRESUME_SHAPES_SEED={seed})")
-    return random.Random(seed)
-
-
-def lines(text: str, kind: str) -> list[int]:
-    return [int(line.split()[1]) for line in text.splitlines() if line.startswith(kind + " ")]
+    return replayable_rng(request, "NBRESUME_SHAPES_SEED")
 
 
 @pytest.mark.slow
@@ -140,7 +125,7 @@ def test_a_killed_run_of_every_shape_resumes_bit_identically(
     total = shapes.SHAPES[shape][1]
     status, text = zygote.train(tmp_path / "reference", shape)
     assert status == 0, text
-    assert lines(text, "done") == [total], text
+    assert reported(text, "done") == [total], text
     reference = zygote.final()
 
     folder = tmp_path / "run"
@@ -155,19 +140,19 @@ def test_a_killed_run_of_every_shape_resumes_bit_identically(
         status, text = zygote.train(folder, shape, kill_at=kill_at)
         context = f"kill {kill + 1} of {shape} at step >= {kill_at}:\n{text}"
         assert status == -signal.SIGKILL, context
-        assert lines(text, "start") == [resume_from], context
+        assert reported(text, "start") == [resume_from], context
         assert "error " not in text, context
         report = CheckpointStore(folder, keep=None).verify()
         assert report.ok, f"{context}\n{report.summary}"
         committed = max(r.step for r in report.results)
-        assert committed >= max(lines(text, "verified"), default=resume_from), context
+        assert committed >= max(reported(text, "verified"), default=resume_from), context
         assert committed > resume_from, context
         resume_from = committed
 
     status, text = zygote.train(folder, shape)
     assert status == 0, text
-    assert lines(text, "start") == [resume_from], text
-    assert lines(text, "done") == [total], text
+    assert reported(text, "start") == [resume_from], text
+    assert reported(text, "done") == [total], text
     final = zygote.final()
     assert final.keys() == reference.keys()
     for key, value in reference.items():

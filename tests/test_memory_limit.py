@@ -10,6 +10,7 @@ the cheap ones point the cgroup reader at a fake tree.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -67,9 +68,10 @@ def cgroup_parent() -> tuple[Path, str]:
     pytest.skip(f"no memory cgroup: neither v2 at {CGROUP_FS} nor v1 at {v1}")
 
 
-@pytest.fixture
-def cgroup() -> Iterator[tuple[Path, str]]:
-    """A fresh memory cgroup (its folder, its version), removed afterwards whatever happens."""
+@contextlib.contextmanager
+def fresh_cgroup() -> Iterator[tuple[Path, str]]:
+    """A fresh memory cgroup (its folder, its version), removed afterwards whatever happens;
+    the test skips where none can be made."""
     parent, version = cgroup_parent()
     folder = parent / f"nbresume-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
@@ -80,6 +82,13 @@ def cgroup() -> Iterator[tuple[Path, str]]:
         yield folder, version
     finally:
         remove_cgroup(folder)
+
+
+@pytest.fixture
+def cgroup() -> Iterator[tuple[Path, str]]:
+    """A fresh memory cgroup (its folder, its version), removed afterwards whatever happens."""
+    with fresh_cgroup() as made:
+        yield made
 
 
 def remove_cgroup(folder: Path) -> None:
@@ -180,6 +189,18 @@ class Wide(nn.Module):
         self.weight = nn.Parameter(torch.arange(4 * MB, dtype=torch.float32))  # 16 MiB
 
 
+def save_two_steps(folder: Path) -> tuple[Checkpointer, Wide]:
+    """A Checkpointer of a :class:`Wide` model that saved steps 1 and 2 in the background
+    (the model changing in between), still open, and the model."""
+    model = Wide()
+    ckpt = Checkpointer(folder, async_save=True, model=model, **QUIET)
+    for step in (1, 2):
+        assert ckpt.save(step=step) is None
+        with torch.no_grad():
+            model.weight.add_(1.0)
+    return ckpt, model
+
+
 def test_the_copy_is_decided_by_the_cgroup_limit_not_the_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -194,12 +215,7 @@ def test_the_copy_is_decided_by_the_cgroup_limit_not_the_host(
     assert facts.host_available is not None
     assert facts.host_available > 4 * state
 
-    model = Wide()
-    ckpt = Checkpointer(tmp_path / "run", async_save=True, model=model, **QUIET)
-    for step in (1, 2):
-        assert ckpt.save(step=step) is None
-        with torch.no_grad():
-            model.weight.add_(1.0)
+    ckpt, model = save_two_steps(tmp_path / "run")
     ckpt.close()
     staged = [r.getMessage() for r in caplog.records if STAGED in r.getMessage()]
     assert len(staged) == 1
@@ -284,12 +300,7 @@ def test_an_async_save_whose_copy_cannot_be_allocated_is_written_from_the_live_t
 
     monkeypatch.setattr(snapshot, "host_buffer", refuse)
     caplog.set_level(logging.WARNING, logger="nbresume")
-    model = Wide()
-    ckpt = Checkpointer(tmp_path / "run", async_save=True, model=model, **QUIET)
-    for step in (1, 2):
-        assert ckpt.save(step=step) is None
-        with torch.no_grad():
-            model.weight.add_(1.0)
+    ckpt, _ = save_two_steps(tmp_path / "run")
     ckpt.wait()
     ckpt.close()
     staged = [r.getMessage() for r in caplog.records if STAGED in r.getMessage()]

@@ -30,7 +30,6 @@ from typing import Any
 import pytest
 import torch
 from tests.distributed.test_sharded import SHARDED_DAMAGES, Cluster, assert_ended_well
-from tests.kaggle.fake_kaggle import FakeKaggle
 from tests.test_hostile_folders import (
     BUDGET,
     CHILD,
@@ -49,6 +48,7 @@ from tests.test_verdict import edit_state
 from torch.utils.data import DataLoader, TensorDataset
 
 from nbresume.pull import SAFE_LINE
+from testkit.fake_kaggle import FakeKaggle
 
 pytestmark = pytest.mark.slow
 
@@ -210,23 +210,41 @@ RUN_DAMAGES: dict[str, Callable[[Path], Any]] = {
 }
 
 
+def check_damaged_copies(
+    template: Path,
+    damages: dict[str, Callable[[Path], Any]],
+    tmp_path: Path,
+    restore: str,
+    kaggle: Mapping[str, str],
+    *,
+    good: int,
+    newer: int,
+) -> None:
+    """Each damage done to the step ``newer`` of its own copy of the run ``template``: verify,
+    ``restore``, load, pull and push (to the fake Kaggle ``kaggle`` points at) each give every
+    copy the same verdict (``good`` is the step before, which is intact)."""
+    ops, rows = [], list(damages)
+    for index, name in enumerate(rows):
+        run = Path(shutil.copytree(template, tmp_path / f"run{index}"))
+        damages[name](run / f"{newer:012d}")
+        ops += [("verify", str(run)), (restore, str(run)), ("load", str(run))]
+        ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
+        ops.append(("push", str(run)))
+    reports = run_ops(ops, kaggle)
+    steps = (good, f"{good:012d}"), (newer, f"{newer:012d}")
+    check_table(
+        {
+            name: [verdict(r, *steps) for r in reports[5 * index : 5 * index + 5]]
+            for index, name in enumerate(rows)
+        }
+    )
+
+
 def test_every_reader_gives_a_checkpointer_s_run_the_same_verdict(
     run_template: Path, kaggle_env: dict[str, str], tmp_path: Path
 ) -> None:
-    ops, rows = [], list(RUN_DAMAGES)
-    for index, name in enumerate(rows):
-        run = Path(shutil.copytree(run_template, tmp_path / f"run{index}"))
-        RUN_DAMAGES[name](run / "000000000020")
-        ops += [("verify", str(run)), ("restore", str(run)), ("load", str(run))]
-        ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
-        ops.append(("push", str(run)))
-    reports = run_ops(ops, kaggle_env)
-    good, newer = (10, "000000000010"), (20, "000000000020")
-    check_table(
-        {
-            name: [verdict(r, good, newer) for r in reports[5 * index : 5 * index + 5]]
-            for index, name in enumerate(rows)
-        }
+    check_damaged_copies(
+        run_template, RUN_DAMAGES, tmp_path, "restore", kaggle_env, good=10, newer=20
     )
 
 
@@ -273,20 +291,8 @@ def test_every_reader_gives_a_sharded_run_the_same_verdict(
         "the sharded files removed, and the manifest's entries": shards_removed,
         "a sharded object the metadata does not hold": sharded_object_unknown,
     }
-    ops, rows = [], list(damages)
-    for index, name in enumerate(rows):
-        run = Path(shutil.copytree(sharded_template, tmp_path / f"run{index}"))
-        damages[name](run / "000000000003")
-        ops += [("verify", str(run)), ("restore-plain", str(run)), ("load", str(run))]
-        ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
-        ops.append(("push", str(run)))
-    reports = run_ops(ops, kaggle_env)
-    good, newer = (2, "000000000002"), (3, "000000000003")
-    check_table(
-        {
-            name: [verdict(r, good, newer) for r in reports[5 * index : 5 * index + 5]]
-            for index, name in enumerate(rows)
-        }
+    check_damaged_copies(
+        sharded_template, damages, tmp_path, "restore-plain", kaggle_env, good=2, newer=3
     )
 
 

@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from testkit.paths import ROOT
+
 BIN = Path(sys.executable).parent
 
 # What `import nbresume` must not drag in: each costs seconds or is absent on some platforms.

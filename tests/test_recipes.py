@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from testkit.paths import ROOT
+
 RECIPES = sorted((ROOT / "docs" / "recipes").glob("*.py"))
 
 

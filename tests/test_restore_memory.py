@@ -14,13 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.test_memory_limit import cgroup_parent, oom_kills, remove_cgroup
+from tests.test_memory_limit import fresh_cgroup, oom_kills
 
 from nbresume import CheckpointStore
 
@@ -79,13 +78,7 @@ LIMIT = 5 * GIB // 2
 @pytest.fixture
 def limited_cgroup() -> Iterator[tuple[Path, str]]:
     """A fresh memory cgroup limited to :data:`LIMIT` without swap, removed afterwards."""
-    parent, version = cgroup_parent()
-    folder = parent / f"nbresume-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        folder.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot make a cgroup in {parent}: {exc}")
-    try:
+    with fresh_cgroup() as (folder, version):
         if version == "1":
             (folder / "memory.limit_in_bytes").write_text(str(LIMIT))
             swap = folder / "memory.memsw.limit_in_bytes"
@@ -96,8 +89,6 @@ def limited_cgroup() -> Iterator[tuple[Path, str]]:
             if (folder / "memory.swap.max").exists():
                 (folder / "memory.swap.max").write_text("0")
         yield folder, version
-    finally:
-        remove_cgroup(folder)
 
 
 def test_a_large_state_saves_and_restores_inside_a_memory_cgroup(

@@ -37,6 +37,19 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bytes(a.numpy()) == bytes(b.numpy())
 
 
+def record_prefaults(monkeypatch: pytest.MonkeyPatch) -> list[hashing.Prefault]:
+    """Every prefaulting thread the store's reads start from now on, in order."""
+    started: list[hashing.Prefault] = []
+
+    class Recorded(hashing.Prefault):
+        def __init__(self, buffer: memoryview) -> None:
+            super().__init__(buffer)
+            started.append(self)
+
+    monkeypatch.setattr(reading, "Prefault", Recorded)
+    return started
+
+
 @pytest.mark.parametrize("hash_name", ["xxh3-128", "sha256"])
 def test_a_large_file_is_restored_bit_for_bit(tmp_path: Path, hash_name: str) -> None:
     state = big_state(0)
@@ -124,15 +137,7 @@ def test_memory_faulted_in_ahead_or_not_gives_the_same_bits(
         monkeypatch.setattr(hashing, "_populate", lambda address, count: False)
     if prefault == "at once":
         monkeypatch.setattr(reading, "can_prefault", lambda: False)
-    started: list[hashing.Prefault] = []
-    real = hashing.Prefault
-
-    class Recorded(real):  # type: ignore[valid-type,misc]
-        def __init__(self, buffer: memoryview) -> None:
-            super().__init__(buffer)
-            started.append(self)
-
-    monkeypatch.setattr(reading, "Prefault", Recorded)
+    started = record_prefaults(monkeypatch)
     state = big_state(3)
     store = CheckpointStore(tmp_path / "run", keep=None)
     store.save(1, tensors=state)
@@ -151,14 +156,7 @@ def test_a_read_that_fails_stops_the_thread_faulting_its_memory(
 ) -> None:
     store = CheckpointStore(tmp_path / "run", keep=None)
     store.save(1, tensors=big_state(4))
-    started: list[hashing.Prefault] = []
-    real = hashing.Prefault
-
-    class Recorded(real):  # type: ignore[valid-type,misc]
-        def __init__(self, buffer: memoryview) -> None:
-            super().__init__(buffer)
-            started.append(self)
-
+    started = record_prefaults(monkeypatch)
     real_read = hashing.read_into
 
     def failing_read(handle: object, buffer: memoryview) -> int:
@@ -166,7 +164,6 @@ def test_a_read_that_fails_stops_the_thread_faulting_its_memory(
             raise OSError(5, "Input/output error")
         return real_read(handle, buffer)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(reading, "Prefault", Recorded)
     monkeypatch.setattr(hashing, "read_into", failing_read)
     with pytest.raises(NoCheckpointError):
         store.load()

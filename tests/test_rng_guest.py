@@ -20,7 +20,6 @@ guard compares the states on the way in and on the way out of every such region.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 import threading
@@ -37,23 +36,11 @@ import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 import nbresume
+import train_iterable as streams
+import train_loop_shapes as shapes
 from nbresume.checkpoint.format import state_document as state_module
 from nbresume.checkpoint.state import ResumableLoader
 from nbresume.checkpoint.state import data as data_module
-
-SCRIPT = Path(__file__).with_name("train_loop_shapes.py")
-_spec = importlib.util.spec_from_file_location("train_loop_shapes_guard", SCRIPT)
-assert _spec is not None
-assert _spec.loader is not None
-shapes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(shapes)
-_stream_spec = importlib.util.spec_from_file_location(
-    "train_iterable_guard", SCRIPT.with_name("train_iterable.py")
-)
-assert _stream_spec is not None
-assert _stream_spec.loader is not None
-streams = importlib.util.module_from_spec(_stream_spec)
-_stream_spec.loader.exec_module(streams)
 
 NBRESUME_ROOT = str(Path(nbresume.__file__).parent)
 

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import nbresume
 import zygote
+from testkit.training import trained_tensors
 
 EVERY = 4
 ITEMS = 48
@@ -127,11 +128,7 @@ def train(
     ck.close()
     assert ck.done or stop_after is not None
     say(f"done {ck.step}" if ck.done else f"stopped {ck.step}")
-    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for index, values in optimizer.state_dict()["state"].items():
-        for key, value in values.items():
-            tensors[f"optimizer.{index}.{key}"] = value.detach().clone()
-    return tensors
+    return trained_tensors(model, optimizer)
 
 
 def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -32,10 +32,11 @@ from typing import Any
 import numpy
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import nbresume
 import zygote
+from testkit.training import Augmented, Points, trained_tensors
 
 EVERY = 3
 BATCHES = 10  # per epoch
@@ -46,37 +47,6 @@ BATCH_SIZE = 4
 def say(line: str) -> None:
     """One whole line per write: workers and the background save thread write too."""
     os.write(1, (line + "\n").encode())
-
-
-class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Fixed points with noise drawn from torch, random and NumPy at every load."""
-
-    def __init__(self, count: int) -> None:
-        generator = torch.Generator().manual_seed(1)
-        self.x = torch.randn(count, 4, generator=generator)
-        self.y = torch.randn(count, 1, generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = 0.1 * torch.rand(4) + 0.1 * random.random() + 0.1 * float(numpy.random.rand())
-        return self.x[index] + noise, self.y[index]
-
-
-class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Fixed points, loaded as they are: the noise comes per batch (:func:`noisy_collate`)."""
-
-    def __init__(self, count: int) -> None:
-        generator = torch.Generator().manual_seed(1)
-        self.x = torch.randn(count, 4, generator=generator)
-        self.y = torch.randn(count, 1, generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[index], self.y[index]
 
 
 def batch_noise(rows: int) -> torch.Tensor:
@@ -148,11 +118,7 @@ def train(
                 time.sleep(pause)  # gives the test time to kill mid-epoch
     ck.close()
     say(f"done {ck.step}")
-    tensors = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for index, values in optimizer.state_dict()["state"].items():
-        for key, value in values.items():
-            tensors[f"optimizer.{index}.{key}"] = value.detach().clone()
-    return tensors
+    return trained_tensors(model, optimizer)
 
 
 def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import nbresume
 import zygote
 from nbresume.checkpoint.events import Callback
+from testkit.training import trained_tensors
 
 EVERY = 3
 BATCHES = 12  # per epoch of each loader
@@ -182,11 +183,7 @@ def train(
     ck.close()
     assert ck.done or stop_after is not None
     say(f"done {ck.step}" if ck.done else f"stopped {ck.step}")
-    tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    for index, values in optimizer.state_dict()["state"].items():
-        for key, value in values.items():
-            tensors[f"optimizer.{index}.{key}"] = value.detach().to("cpu", copy=True)
-    return tensors
+    return trained_tensors(model, optimizer)
 
 
 def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:

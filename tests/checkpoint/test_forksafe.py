@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from nbresume.checkpoint.store import CheckpointStore
+from testkit.paths import TESTS
 
-TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = TESTS / "fork_while_locked.py"
 SOURCE = TESTS.parent / "src" / "nbresume"
 

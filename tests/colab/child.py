@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from godview import landed  # this folder is on sys.path: run as a script
+
+from colab.godview import landed
 
 RUN_PARTS = ["nbresume", "x"]
 

@@ -29,6 +29,8 @@ pytest.importorskip("colab_standin", reason="needs the google.colab stand-in (sc
 from colab_standin.cloud import Cloud
 from colab_standin.server import DriveServer
 
+from testkit.paths import with_testkit
+
 from .godview import landed
 
 CHILD = Path(__file__).with_name("child.py")
@@ -66,7 +68,7 @@ class Colab:
         )
         env.update(extra or {})
         (self.tmp / vm).mkdir(exist_ok=True)
-        return env
+        return with_testkit(env)
 
     def start(
         self, command: str, *args: str, vm: str, lag: float, env: dict[str, str] | None = None

@@ -5,15 +5,13 @@ holds the newest checkpoint, and says so; past its timeout it raises instead of 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from .conftest import Colab
 
 SCRIPT = """
 import json, sys
-sys.path.insert(0, {here!r})
 import numpy as np
-from child import RUN_PARTS, cloud, mount
+from colab.child import RUN_PARTS, cloud, mount
 import nbresume
 
 def landed(step):
@@ -59,9 +57,9 @@ print(json.dumps(record), flush=True)
 """
 
 
-def _run(colab: Colab, *, lag: float, timeout: float) -> dict[str, object]:
-    here = str(Path(__file__).parent)
-    proc = colab.start_script(SCRIPT.format(here=here, timeout=timeout), vm="vm1", lag=lag)
+def _run(colab: Colab, script: str, *, lag: float, timeout: float) -> dict[str, object]:
+    """Run ``script`` (with its ``{timeout}``) on a VM; the record it printed last."""
+    proc = colab.start_script(script.format(timeout=timeout), vm="vm1", lag=lag)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, stdout.decode()
     result: dict[str, object] = json.loads(stdout.decode().strip().splitlines()[-1])
@@ -69,7 +67,7 @@ def _run(colab: Colab, *, lag: float, timeout: float) -> dict[str, object]:
 
 
 def test_wait_durable_returns_once_drive_holds_the_checkpoint_and_says_so(colab: Colab) -> None:
-    seen = _run(colab, lag=2.0, timeout=60)
+    seen = _run(colab, SCRIPT, lag=2.0, timeout=60)
     assert seen["landed_before"] is False  # the upload lags: a plain save is not on Drive yet
     assert seen["step"] == 3
     assert "Google Drive reports all" in str(seen["confirmed"])
@@ -78,7 +76,7 @@ def test_wait_durable_returns_once_drive_holds_the_checkpoint_and_says_so(colab:
 
 
 def test_wait_durable_past_its_timeout_raises_with_what_drive_reported(colab: Colab) -> None:
-    seen = _run(colab, lag=600, timeout=1)  # nothing uploads during the test
+    seen = _run(colab, SCRIPT, lag=600, timeout=1)  # nothing uploads during the test
     assert "not confirmed by the storage" in str(seen["error"])
     assert str(seen["where"]).endswith("000000000003")
     assert seen["landed_after"] is False
@@ -86,8 +84,7 @@ def test_wait_durable_past_its_timeout_raises_with_what_drive_reported(colab: Co
 
 ONCE = """
 import json, sys
-sys.path.insert(0, {here!r})
-from child import RUN_PARTS, mount
+from colab.child import RUN_PARTS, mount
 from nbresume.errors import StorageError
 from nbresume.notebook import once
 
@@ -103,22 +100,13 @@ print(json.dumps(record), flush=True)
 """
 
 
-def _once(colab: Colab, *, lag: float, timeout: float) -> dict[str, object]:
-    code = ONCE.format(here=str(Path(__file__).parent), timeout=timeout)
-    proc = colab.start_script(code, vm="vm1", lag=lag)
-    stdout, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stdout.decode()
-    result: dict[str, object] = json.loads(stdout.decode().strip().splitlines()[-1])
-    return result
-
-
 def test_once_on_drive_records_a_cell_when_drive_has_the_marker(colab: Colab) -> None:
-    seen = _once(colab, lag=1.0, timeout=60)
+    seen = _run(colab, ONCE, lag=1.0, timeout=60)
     assert seen == {"recorded": True, "read_back": True}
 
 
 def test_once_on_drive_does_not_record_a_cell_drive_never_confirmed(colab: Colab) -> None:
-    seen = _once(colab, lag=600, timeout=1)  # nothing uploads during the test
+    seen = _run(colab, ONCE, lag=600, timeout=1)  # nothing uploads during the test
     assert seen["recorded"] is False
     assert "Google Drive did not confirm" in str(seen["error"])
     assert seen["read_back"] is False  # the next "Run all" runs the cell again

@@ -19,7 +19,7 @@ from typing import Any
 import fsspec
 import pytest
 
-from .backends import FAKE_AWS_ENV, Backend, loopback_only, start_moto_server
+from testkit.backends import FAKE_AWS_ENV, Backend, loopback_only, start_moto_server
 
 BACKENDS = ["local", "file", "memory", "s3", "drive"]
 

@@ -1,7 +1,7 @@
 """Another process using the same store: ``python other_process.py LOCATION [OPTIONS_JSON]``.
 
 Reads one JSON command per line from stdin, ``{"saves": [[step, value], ...], "prune_keep":
-int | null}``: saves each step with :func:`backends.payload`, then prunes; answers ``done``
+int | null}``: saves each step with :func:`testkit.backends.payload`, then prunes; answers ``done``
 on stdout once the command is complete, so the test can look at the store in between.
 """
 
@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from backends import install_loopback_guard, payload, settle
 
 from nbresume.checkpoint.store import CheckpointStore
+from testkit.backends import install_loopback_guard, payload, settle
 
 
 def main(location: str, options: dict[str, object] | None) -> None:

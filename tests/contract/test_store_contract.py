@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -25,8 +26,8 @@ from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX, parse_manifes
 from nbresume.checkpoint.store.store import CheckpointInfo, CheckpointStore
 from nbresume.cli import main
 from nbresume.errors import NoCheckpointError, UsageError
-
-from .backends import Backend, payload, settle
+from testkit.backends import Backend, payload, settle
+from testkit.paths import with_testkit
 
 OTHER_PROCESS = Path(__file__).with_name("other_process.py")
 
@@ -386,6 +387,7 @@ class OtherWriter:
                     stdout=subprocess.PIPE,
                     stderr=sink,
                     text=True,
+                    env=with_testkit(os.environ),
                 )
         return self
 

@@ -16,37 +16,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import signal
 import sys
 from pathlib import Path
 
-import numpy
 import torch
 from accelerate import Accelerator
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import nbresume
+from testkit.training import Augmented
 
 EPOCHS = 2
 EVERY = 3
-
-
-class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Fixed points with noise drawn from torch, random and NumPy at every load."""
-
-    def __init__(self, count: int) -> None:
-        generator = torch.Generator().manual_seed(1)
-        self.x = torch.randn(count, 4, generator=generator)
-        self.y = torch.randn(count, 1, generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = 0.1 * torch.rand(4) + 0.1 * random.random() + 0.1 * float(numpy.random.rand())
-        return self.x[index] + noise, self.y[index]
 
 
 def main(argv: list[str]) -> None:

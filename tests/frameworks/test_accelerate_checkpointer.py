@@ -26,10 +26,13 @@ from accelerate import Accelerator
 
 import nbresume
 from nbresume.errors import UsageError
+from testkit.paths import with_testkit
 
 SCRIPT = Path(__file__).with_name("accelerate_train.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+ENV = with_testkit(
+    {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+)
 
 
 def command(processes: int) -> list[str]:

@@ -20,6 +20,7 @@ from accelerate.utils import ProjectConfiguration
 from safetensors.torch import load_file
 
 import nbresume.hf
+from testkit.paths import ROOT
 
 
 def prepared(project: Path) -> tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer]:
@@ -78,7 +79,7 @@ def test_save_state_into_a_folder_without_a_step_number_is_refused(tmp_path: Pat
         nbresume.hf.save_state(accelerator, tmp_path / "latest")
 
 
-SAVE_STATE_SCRIPT = Path(__file__).parents[2] / "docs" / "frameworks" / "accelerate_save_state.py"
+SAVE_STATE_SCRIPT = ROOT / "docs" / "frameworks" / "accelerate_save_state.py"
 
 
 def run_script(cwd: Path) -> subprocess.Popen[str]:

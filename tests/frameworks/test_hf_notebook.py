@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 from papermill_run import environment, execute
 
+from testkit.paths import ROOT
+
 pytest.importorskip("transformers")
 pytest.importorskip("papermill")
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "hf_trainer_quickstart.ipynb"
+NOTEBOOK = ROOT / "notebooks" / "hf_trainer_quickstart.ipynb"
 pytestmark = pytest.mark.slow
 
 

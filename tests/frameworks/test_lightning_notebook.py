@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 from papermill_run import environment, execute
 
+from testkit.paths import ROOT
+
 pytest.importorskip("lightning")
 pytest.importorskip("papermill")
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "lightning_quickstart.ipynb"
+NOTEBOOK = ROOT / "notebooks" / "lightning_quickstart.ipynb"
 pytestmark = pytest.mark.slow
 
 

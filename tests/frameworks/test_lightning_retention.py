@@ -82,22 +82,9 @@ class FirstStep(L.Callback):
         self.started = trainer.global_step
 
 
-class CrashingIO(TorchCheckpointIO):
-    """Lightning's own plugin, failing the save of ``name`` at ``step``."""
-
-    def __init__(self, name: str, step: int) -> None:
-        self.name, self.step = name, step
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
-    ) -> None:
-        if Path(path).name == self.name and checkpoint["global_step"] == self.step:
-            raise Crashed(f"saving {path}")
-        super().save_checkpoint(checkpoint, path, storage_options)
-
-
-class CrashingNbresumeIO(nbresume.lightning.CheckpointIO):
-    """nbresume's plugin, failing the save of ``name`` at ``step``."""
+class CrashesAt:
+    """Put before a checkpoint plugin's class: the plugin's save of ``name`` at ``step`` fails
+    (the plugin's own save runs for every other)."""
 
     def __init__(self, name: str, step: int) -> None:
         super().__init__()
@@ -108,7 +95,15 @@ class CrashingNbresumeIO(nbresume.lightning.CheckpointIO):
     ) -> None:
         if Path(path).name == self.name and checkpoint["global_step"] == self.step:
             raise Crashed(f"saving {path}")
-        super().save_checkpoint(checkpoint, path, storage_options)
+        super().save_checkpoint(checkpoint, path, storage_options)  # type: ignore[misc]
+
+
+class CrashingIO(CrashesAt, TorchCheckpointIO):
+    """Lightning's own plugin, failing the save of ``name`` at ``step``."""
+
+
+class CrashingNbresumeIO(CrashesAt, nbresume.lightning.CheckpointIO):
+    """nbresume's plugin, failing the save of ``name`` at ``step``."""
 
 
 class KeepingNbresumeIO(nbresume.lightning.CheckpointIO):

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from tests.gpu.conftest import requires_cuda
 
+from testkit.paths import ROOT
+
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 SCRIPT = """
@@ -53,8 +55,7 @@ def run(tmp_path: Path, order: str) -> dict[str, object]:
     script = tmp_path / "order.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
-    root = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "ck"), order],
         capture_output=True, text=True, timeout=300, check=False, env=env,

@@ -17,6 +17,7 @@ from torch import nn
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.state import restoring
 from nbresume.checkpoint.store import reading
+from testkit.training import assert_restored_exactly
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -54,13 +55,7 @@ def test_a_gpu_model_is_restored_onto_the_gpu_exactly(
         tmp_path, every=None, deadline=None, model=restored, optimizer=restored_opt
     ) as ck:
         assert ck.restore() == 2
-    for key, value in model.state_dict().items():
-        assert torch.equal(restored.state_dict()[key], value), key
-    for index, state in optimizer.state_dict()["state"].items():
-        again = restored_opt.state_dict()["state"][index]
-        for key, value in state.items():
-            assert torch.equal(again[key], value), (index, key)
-            assert again[key].device == value.device, (index, key)  # step: on the host
+    assert_restored_exactly(model, optimizer, restored, restored_opt)
     x = torch.randn(16, 512, device="cuda")
     for net, opt in ((model, optimizer), (restored, restored_opt)):
         net(x).square().mean().backward()

@@ -40,15 +40,12 @@ from tests.gpu.conftest import DEVICE, requires_device
 
 import nbresume
 import nbresume.hf
+from gpu import train_gpu
+from testkit.paths import ROOT, with_testkit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, requires_device]
 
-SCRIPT = Path(__file__).with_name("train_gpu.py")
-_spec = importlib.util.spec_from_file_location("train_gpu", SCRIPT)
-assert _spec is not None
-assert _spec.loader is not None
-train_gpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_gpu)
+SCRIPT = Path(train_gpu.__file__)
 shapes = train_gpu.shapes
 
 #: Seconds one run may take before it counts as hung (compiling on a CPU is the slowest).
@@ -121,11 +118,9 @@ def child_env(home: Path) -> dict[str, str]:
     """The children's environment: nbresume from this checkout, one math thread, cuBLAS's
     deterministic workspace set before Python starts (as the docs ask), nothing online, and
     the caches (torch.compile's among them) in ``home``."""
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
     return {
-        **os.environ,
-        "PYTHONPATH": path,
+        **with_testkit({**os.environ, "PYTHONPATH": path}),
         "OMP_NUM_THREADS": "1",
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
         # The zygote must not start CUDA: torch.cuda.is_available() then asks NVML instead.

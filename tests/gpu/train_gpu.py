@@ -25,7 +25,6 @@ child started and ``exit P STATUS`` when it ended (STATUS negative: killed by th
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import sys
@@ -39,17 +38,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import nbresume
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tests/
+import train_loop_shapes as shapes
 import zygote
-
-_spec = importlib.util.spec_from_file_location(
-    "train_loop_shapes", Path(__file__).resolve().parents[1] / "train_loop_shapes.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-shapes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(shapes)
 
 #: The representative loop's variants.
 VARIANTS = ["fp32", "bf16", "fp16-scaler", "async-fp16", "workers-pin", "compile", "channels-last"]

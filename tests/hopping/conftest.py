@@ -11,8 +11,8 @@ import pytest
 
 from colab.conftest import colab  # noqa: F401  (a fixture, used by name)
 from kaggle.conftest import NETGUARD, net_log  # noqa: F401
-from kaggle.fake_kaggle import FakeKaggle, make_writable
 from remote.conftest import child_env, ssh_keys, sshd  # noqa: F401
+from testkit.fake_kaggle import FakeKaggle, serving
 
 #: The Kaggle account of the tests' user, as the guide names it.
 KAGGLE_USER = "you"
@@ -22,13 +22,5 @@ KAGGLE_USER = "you"
 def kaggle_site(tmp_path: Path, net_log: Path) -> Iterator[FakeKaggle]:  # noqa: F811
     """A fake Kaggle (the user ``you``) whose machines run notebooks for real; afterwards,
     every request it saw must have been meant for localhost."""
-    server = FakeKaggle(tmp_path / "fake-kaggle", username=KAGGLE_USER)
-    server.sitecustomize_dir = NETGUARD
-    server.start()
-    try:
+    with serving(tmp_path / "fake-kaggle", NETGUARD, username=KAGGLE_USER) as server:
         yield server
-    finally:
-        server.stop()
-        if (tmp_path / "fake-kaggle").exists():
-            make_writable(tmp_path / "fake-kaggle")
-    assert server.violations == [], f"requests not meant for loopback: {server.violations}"

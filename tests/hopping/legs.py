@@ -23,16 +23,15 @@ from pathlib import Path
 
 from colab.conftest import Colab
 from kaggle.conftest import NETGUARD
-from kaggle.fake_kaggle import FakeKaggle
 from remote.conftest import SshServer
+from test_docs_outputs import blocks, matches, normalise
+from testkit.fake_kaggle import FakeKaggle
+from testkit.paths import ROOT
 
 from .conftest import KAGGLE_USER
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "docs" / "examples" / "hop_train.py"
 GUIDE = ROOT / "docs" / "platforms" / "hopping.md"
-sys.path.insert(0, str(ROOT / "tests"))
-from test_docs_outputs import blocks, matches, normalise  # noqa: E402
 
 HANG_S = 300
 #: Where each leg's session ends (NBRESUME_STOP_AT_STEP: a save, then the loop stops, as at a

@@ -23,9 +23,9 @@ import pytest
 from colab.conftest import Colab, colab  # noqa: F401  (fixtures, used by name)
 from hopping.conftest import kaggle_site, net_log  # noqa: F401
 from hopping.legs import COLAB_STOP, KAGGLE_STOP, TOTAL, World, check_guide, hop
-from kaggle.fake_kaggle import FakeKaggle
 from nbresume.checkpoint.format import step_dirname
 from remote.conftest import SshServer, child_env, ssh_keys, sshd  # noqa: F401
+from testkit.fake_kaggle import FakeKaggle
 
 from .conftest import BUCKET, TOKEN, URL
 from .standin import HubStandIn

@@ -13,13 +13,13 @@ from urllib.parse import unquote
 
 import numpy as np
 import pytest
-from tests.stateful import QUIET
 
 from nbresume.checkpoint.backends import open_store
 from nbresume.checkpoint.backends.hf_bucket import XET_RECORDS, HfBucketStore
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import StorageError
+from testkit.stateful import QUIET
 
 from .conftest import BUCKET, TOKEN, URL
 from .standin import BUILT_FROM, HubStandIn

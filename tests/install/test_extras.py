@@ -24,9 +24,10 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
+from testkit.paths import ROOT
+
 tomllib = pytest.importorskip("tomllib", reason="reads platforms.toml with Python 3.11's tomllib")
 
-ROOT = Path(__file__).resolve().parents[2]
 PLATFORMS: dict[str, Any] = tomllib.loads(Path(__file__).with_name("platforms.toml").read_text())
 #: The extras meant for users (test, docs and bench are the project's own).
 EXTRAS = ("notebook", "kaggle", "hf", "lightning", "drive", "s3", "ssh")

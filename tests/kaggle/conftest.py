@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .fake_kaggle import FakeKaggle, make_writable
+from testkit.fake_kaggle import FakeKaggle, serving
 
 HERE = Path(__file__).parent
 NOTEBOOKS = HERE / "notebooks"
@@ -62,16 +62,8 @@ def net_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def kaggle_server(tmp_path: Path, net_log: Path) -> Iterator[FakeKaggle]:
     """A fake Kaggle whose machines run notebooks for real; afterwards, every request it saw
     must have been meant for localhost."""
-    server = FakeKaggle(tmp_path / "fake-kaggle")
-    server.sitecustomize_dir = NETGUARD
-    server.start()
-    try:
+    with serving(tmp_path / "fake-kaggle", NETGUARD) as server:
         yield server
-    finally:
-        server.stop()
-        if (tmp_path / "fake-kaggle").exists():
-            make_writable(tmp_path / "fake-kaggle")
-    assert server.violations == [], f"requests not meant for loopback: {server.violations}"
 
 
 @pytest.fixture

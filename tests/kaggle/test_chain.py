@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from testkit.fake_kaggle import FakeKaggle
+
 from .conftest import copy_notebook, nbresume, user_env
-from .fake_kaggle import FakeKaggle
 
 #: Session cap of a leg, in seconds. deadline="auto" stops 120 s (plus a few saves and steps)
 #: before a platform cap, so a leg trains for what is left of 15 s once the kernel started:

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from testkit.fake_kaggle import FakeKaggle
+from testkit.paths import ROOT
+
 from .conftest import Result, copy_notebook, nbresume, user_env
-from .fake_kaggle import FakeKaggle
 
 
 def commit(tmp_path: Path, server: FakeKaggle, notebook: Path, slug: str, *args: str) -> Result:
@@ -253,9 +255,7 @@ def test_a_call_meant_for_the_real_kaggle_never_leaves_the_machine(
     net_log.write_text("")
 
 
-QUICKSTARTS = sorted(
-    (Path(__file__).parents[2] / "notebooks").glob("*_quickstart.ipynb"), key=lambda p: p.name
-)
+QUICKSTARTS = sorted((ROOT / "notebooks").glob("*_quickstart.ipynb"), key=lambda p: p.name)
 
 
 def parameter(notebook: Path, name: str) -> object:

@@ -160,7 +160,7 @@ def test_a_cell_that_does_not_parse_is_checked_as_text(tmp_path: Path) -> None:
 def test_commit_stops_on_lint_errors_and_pushes_nothing(
     tmp_path: Path, kaggle_server: object
 ) -> None:
-    from .fake_kaggle import FakeKaggle
+    from testkit.fake_kaggle import FakeKaggle
 
     assert isinstance(kaggle_server, FakeKaggle)
     folder = tmp_path / "user"

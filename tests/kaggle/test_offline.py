@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from testkit.fake_kaggle import DATASETS_SERVICE, FakeKaggle
+
 from .conftest import copy_notebook, nbresume, user_env
-from .fake_kaggle import DATASETS_SERVICE, FakeKaggle
 
 
 def changes(server: FakeKaggle) -> list[str]:

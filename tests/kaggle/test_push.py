@@ -17,9 +17,10 @@ from nbresume.cli import main
 from nbresume.errors import UsageError
 from nbresume.kaggle.push import push
 from nbresume.platforms.kaggle import seed_from_inputs
+from testkit.fake_kaggle import FakeKaggle, _unpack_into
+from testkit.stateful import Weights
 
 from .conftest import nbresume, user_env
-from .fake_kaggle import FakeKaggle, _unpack_into
 
 
 def saved_run(folder: Path, steps: tuple[int, ...] = (4, 8)) -> None:
@@ -191,19 +192,6 @@ def test_every_name_that_is_not_one_plain_folder_name_is_a_usage_error(
 # -- what is uploaded: no credentials, no file beyond its manifest's size ---------------------
 
 
-class Weights:
-    """A stateful object without torch: a vector that each step changes."""
-
-    def __init__(self) -> None:
-        self.w = np.zeros(4, np.float32)
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        return {"w": self.w.copy()}
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        self.w = np.asarray(state["w"]).copy()
-
-
 #: A token of the shape of a Hugging Face one (made up, mixed case as real ones are).
 FAKE_TOKEN = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
 
@@ -213,7 +201,7 @@ def test_a_credential_saved_in_the_checkpoint_is_found_and_never_uploaded_or_sho
 ) -> None:
     run = tmp_path / "run"
     ckpt = nbresume_api.Checkpointer(
-        run, every=None, async_save=False, quiet=True, weights=Weights()
+        run, every=None, async_save=False, quiet=True, weights=Weights(4, np.float32)
     )
     ckpt["config"] = {"lr": 0.1, "hub_token": FAKE_TOKEN}
     for _ in ckpt.steps(3):

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from testkit.fake_kaggle import FakeKaggle
+
 from .conftest import copy_notebook, nbresume, user_env
-from .fake_kaggle import FakeKaggle
 
 
 @pytest.mark.slow

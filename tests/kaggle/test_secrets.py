@@ -157,7 +157,7 @@ def test_commit_refuses_naming_cell_and_kind_and_prints_no_secret(
     folder.mkdir()
     path = write_notebook(folder / "leaky.ipynb", cells)
 
-    from .fake_kaggle import FakeKaggle
+    from testkit.fake_kaggle import FakeKaggle
 
     assert isinstance(kaggle_server, FakeKaggle)
     result = nbresume(

@@ -10,9 +10,9 @@ import pytest
 
 from nbresume.kaggle import notebook as nbfile
 from nbresume.kaggle.secrets import scan
+from testkit.fake_kaggle import FakeKaggle
 
 from .conftest import nbresume, user_env
-from .fake_kaggle import FakeKaggle
 from .secrets_corpus import Case, clean_cases, secret_cases
 
 SECRET_CASES = secret_cases()

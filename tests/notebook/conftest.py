@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from nbresume.platforms.base import DETECTION_VARIABLES
+from testkit.ports import free_port
 
 #: What makes a platform recognise itself (the one list the detectors are checked against).
 PLATFORM_VARIABLES = DETECTION_VARIABLES
@@ -27,11 +27,17 @@ PLATFORM_VARIABLES = DETECTION_VARIABLES
 KERNEL_NAME = "nbresume-test-venv"
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (connections to it are refused at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def train_cell(steps: int) -> str:
+    """A cell that trains a small model for ``steps`` steps in ``run`` (made by an earlier
+    cell's ``nbresume.init``), saving every 10 steps."""
+    return f"""
+from testkit.stateful import Weights
+
+model = Weights()
+ckpt = run.checkpointer(model=model, every=10, async_save=False)
+for step in ckpt.steps({steps}):
+    model.w += 1
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +52,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("NBRESUME_COLAB_MARKER", str(world / "no-colab"))
     monkeypatch.setenv("NBRESUME_KAGGLE_ROOT", str(world / "no-kaggle"))
     monkeypatch.setenv("NBRESUME_PROBE_HOST", "127.0.0.1")
-    monkeypatch.setenv("NBRESUME_PROBE_PORT", str(closed_port()))
+    monkeypatch.setenv("NBRESUME_PROBE_PORT", str(free_port()))
     monkeypatch.setenv("NBRESUME_SESSION_START", str(time.time() - 60))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     return world
@@ -78,6 +84,27 @@ def jupyter_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, st
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
     monkeypatch.delenv("JUPYTER_ALLOW_INSECURE_WRITES", raising=False)
     return dict(os.environ)
+
+
+@pytest.fixture
+def tracker() -> Any:
+    """A tracker that watches the Checkpointers made during the test, and only them."""
+    from nbresume.notebook.progress import Tracker
+
+    tracker = Tracker()
+    tracker.start()
+    yield tracker
+    tracker.stop()
+
+
+@pytest.fixture
+def panel(tracker: Any) -> Any:
+    """A panel that shows what the test's tracker sees (the test needs ipywidgets)."""
+    from nbresume.notebook.panel import Panel
+
+    panel = Panel(tracker)
+    tracker.add_view(panel)
+    return panel
 
 
 @pytest.fixture(scope="session")

@@ -12,29 +12,28 @@ from __future__ import annotations
 
 import logging
 import os
-import pty
 import re
-import select
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 
 from nbresume import Checkpointer, CheckpointError
 from nbresume.notebook.progress import UNSAVED_WARN_S, Tracker
+from testkit.paths import with_testkit
+from testkit.stateful import Weights
+from testkit.terminal import stderr_on_a_terminal
 
 #: every=2, and the disk is full from step 2 on: saves at 4, 6, ... fail while training goes
 #: on; from step 7 on, more than 2 * 2 steps are at risk.
 SCRIPT = textwrap.dedent(
     """
     import errno, os, sys, time
-    import numpy as np
     import nbresume
+    from testkit.stateful import Weights
 
     full = []
 
@@ -44,16 +43,8 @@ SCRIPT = textwrap.dedent(
 
     sys.addaudithook(disk_full)
 
-    class Model:
-        def __init__(self):
-            self.w = np.zeros(3)
-        def state_dict(self):
-            return {"w": self.w.copy()}
-        def load_state_dict(self, state):
-            self.w = np.asarray(state["w"]).copy()
-
     run = nbresume.init("script", dir=sys.argv[1])
-    model = Model()
+    model = Weights()
     ckpt = run.checkpointer(model=model, every=2, async_save=False)
     while True:
         try:
@@ -76,14 +67,19 @@ WARNING_TEXT = (
 )
 
 
-def run_script(tmp_path: Path, **popen: Any) -> subprocess.Popen[bytes]:
+def script_argv(tmp_path: Path) -> list[str]:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    return subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], **popen)
+    return [sys.executable, str(script), str(tmp_path / "run")]
 
 
 def test_log_lines_say_what_is_at_risk_and_warn_once(tmp_path: Path) -> None:
-    proc = run_script(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        script_argv(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=with_testkit(os.environ),
+    )
     out, err = (b.decode() for b in proc.communicate(timeout=120))
     assert proc.returncode == 0, err
     failures = [line for line in out.splitlines() if line.startswith("save failed")]
@@ -107,31 +103,10 @@ def test_log_lines_say_what_is_at_risk_and_warn_once(tmp_path: Path) -> None:
 
 
 def test_the_live_line_shows_the_warning(tmp_path: Path) -> None:
-    controller, terminal = pty.openpty()
-    proc = run_script(
-        tmp_path,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=terminal,
-        env={**os.environ, "COLUMNS": "400"},
+    code, output = stderr_on_a_terminal(
+        script_argv(tmp_path), with_testkit({**os.environ, "COLUMNS": "400"})
     )
-    os.close(terminal)
-    output = b""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([controller], [], [], 1.0)
-        if ready:
-            try:
-                chunk = os.read(controller, 65536)
-            except OSError:  # the other end closed: the process is gone
-                break
-            if not chunk:
-                break
-            output += chunk
-        elif proc.poll() is not None:
-            break
-    os.close(controller)
-    assert proc.wait(timeout=60) == 0
+    assert code == 0
     text = output.decode().replace("\r\n", "\n")
     frames = [f.strip() for line in text.split("\n") for f in line.split("\r") if f.strip()]
     live = [f for f in frames if f.startswith("nbresume script: step ")]
@@ -157,28 +132,6 @@ widgets = pytest.importorskip("ipywidgets", reason="needs ipywidgets (the notebo
 from nbresume.notebook.panel import Panel  # noqa: E402
 
 
-class Model:
-    """The smallest stateful object: one array that every step changes."""
-
-    def __init__(self) -> None:
-        self.w = np.zeros(4)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"w": self.w.copy()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.w = np.asarray(state["w"]).copy()
-
-
-@pytest.fixture
-def tracker() -> Any:
-    """A tracker that watches the Checkpointers made during the test, and only them."""
-    tracker = Tracker()
-    tracker.start()
-    yield tracker
-    tracker.stop()
-
-
 def data(html: str, name: str) -> str:
     return html.split(f'data-{name}="', 1)[1].split('"', 1)[0]
 
@@ -186,7 +139,7 @@ def data(html: str, name: str) -> str:
 def test_the_panel_shows_what_is_at_risk(tracker: Tracker, tmp_path: Path) -> None:
     panel = Panel(tracker)
     tracker.add_view(panel)
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=5, async_save=False, deadline=None, model=model)
     seen = []
     for step in ckpt.steps(12):
@@ -211,7 +164,7 @@ def test_the_panel_warns_when_saves_keep_failing(
     panel = Panel(tracker)
     tracker.add_view(panel)
     folder = tmp_path / "run"
-    model = Model()
+    model = Weights(4)
     # A second tracker watches too (the one nbresume.init starts): the warning is still
     # logged once.
     second = Tracker()
@@ -264,7 +217,7 @@ def test_time_cadences_warn_after_twice_their_interval(
     tracker = Tracker(clock=lambda: time.time() + 3600)
     tracker.start()
     try:
-        model = Model()
+        model = Weights(4)
         ckpt = Checkpointer(
             tmp_path / "run", every=every, async_save=False, deadline=None, model=model
         )

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import pytest
 
 from nbresume.checkpoint.store import CheckpointStore
+from testkit.ports import free_port
 
 from .conftest import KERNEL_NAME
 
@@ -74,12 +74,6 @@ TRAIN_CELLS = [
     "    time.sleep(0.003)\n"
     "print('training ended at step', ckpt.step)",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def write_notebook(path: Path, run_dir: Path) -> None:

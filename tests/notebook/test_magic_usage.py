@@ -8,24 +8,11 @@ from typing import Any
 
 import pytest
 
+from .conftest import train_cell
+
 pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
 
-TRAIN = """
-import numpy as np
-
-class Model:
-    def __init__(self):
-        self.w = np.zeros(3)
-    def state_dict(self):
-        return {"w": self.w.copy()}
-    def load_state_dict(self, state):
-        self.w = np.asarray(state["w"]).copy()
-
-model = Model()
-ckpt = run.checkpointer(model=model, every=10, async_save=False)
-for step in ckpt.steps(12):
-    model.w += 1
-"""
+TRAIN = train_cell(12)
 
 
 def test_a_wrong_option_of_doctor_or_verify_fails_the_cell(

@@ -19,24 +19,11 @@ from nbresume.checkpoint import events
 from nbresume.notebook import _extension
 from nbresume.notebook.status_line import StatusLine
 
+from .conftest import train_cell
+
 pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
 
-TRAIN = """
-import numpy as np
-
-class Model:
-    def __init__(self):
-        self.w = np.zeros(3)
-    def state_dict(self):
-        return {"w": self.w.copy()}
-    def load_state_dict(self, state):
-        self.w = np.asarray(state["w"]).copy()
-
-model = Model()
-ckpt = run.checkpointer(model=model, every=10, async_save=False)
-for step in ckpt.steps(25):
-    model.w += 1
-"""
+TRAIN = train_cell(25)
 
 
 def run_cell(shell: Any, code: str) -> Any:

@@ -9,7 +9,6 @@ for the store; fsspec's own configuration points nowhere, so only those options 
 from __future__ import annotations
 
 import json
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,19 +20,14 @@ pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 
-CONTRACT = Path(__file__).resolve().parent.parent / "contract"
-
 
 @pytest.fixture
 def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback, a fresh bucket, and the options that reach it; the
     environment's own S3 endpoint is a closed loopback port."""
-    sys.path.insert(0, str(CONTRACT))
-    try:
-        from backends import FAKE_AWS_ENV, free_port, loopback_only, start_moto_server
-    finally:
-        sys.path.remove(str(CONTRACT))
     import s3fs
+
+    from testkit.backends import FAKE_AWS_ENV, free_port, loopback_only, start_moto_server
 
     server, endpoint = start_moto_server(tmp_path / "moto.log")
     for name, value in FAKE_AWS_ENV.items():

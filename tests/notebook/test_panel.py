@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -24,28 +23,7 @@ from nbresume.checkpoint.loop.durability import SAVED, SYNCING, Durability
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.notebook.panel import Panel
 from nbresume.notebook.progress import Tracker
-
-
-class Model:
-    """The smallest stateful object: one array that every step changes."""
-
-    def __init__(self) -> None:
-        self.w = np.zeros(4)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"w": self.w.copy()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.w = np.asarray(state["w"]).copy()
-
-
-@pytest.fixture
-def tracker() -> Any:
-    """A tracker that watches the Checkpointers made during the test, and only them."""
-    tracker = Tracker()
-    tracker.start()
-    yield tracker
-    tracker.stop()
+from testkit.stateful import Weights
 
 
 def steps_on_disk(folder: Path) -> list[int]:
@@ -59,10 +37,10 @@ def data_state(html: str) -> tuple[str, str]:
     return step, state
 
 
-def test_panel_shows_progress_and_the_verified_checkpoint(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
-    model = Model()
+def test_panel_shows_progress_and_the_verified_checkpoint(
+    tracker: Tracker, panel: Panel, tmp_path: Path
+) -> None:
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=10, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(25):
         model.w += 1
@@ -84,7 +62,7 @@ def test_panel_shows_progress_and_the_verified_checkpoint(tracker: Tracker, tmp_
 def test_panel_starts_with_the_checkpoint_already_in_the_folder(
     tracker: Tracker, tmp_path: Path
 ) -> None:
-    model = Model()
+    model = Weights(4)
     first = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in first.steps(7):
         model.w += 1
@@ -95,7 +73,7 @@ def test_panel_starts_with_the_checkpoint_already_in_the_folder(
     fresh.add_view(panel)
     fresh.start()
     try:
-        Checkpointer(tmp_path / "run", every=None, deadline=None, model=Model())
+        Checkpointer(tmp_path / "run", every=None, deadline=None, model=Weights(4))
         # Found in the folder, not verified by this process: never shown as "saved".
         assert data_state(panel.checkpoint.value) == ("7", "found")
         assert "step 7 in the folder" in panel.checkpoint.value
@@ -103,10 +81,10 @@ def test_panel_starts_with_the_checkpoint_already_in_the_folder(
         fresh.stop()
 
 
-def test_save_now_saves_at_the_next_step_boundary(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
-    model = Model()
+def test_save_now_saves_at_the_next_step_boundary(
+    tracker: Tracker, panel: Panel, tmp_path: Path
+) -> None:
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for step in ckpt.steps(30):
         model.w += 1
@@ -119,10 +97,10 @@ def test_save_now_saves_at_the_next_step_boundary(tracker: Tracker, tmp_path: Pa
     np.testing.assert_array_equal(loaded.tensors["model"]["w"], np.full(4, 11.0))
 
 
-def test_stop_and_save_ends_the_loop_cleanly(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
-    model = Model()
+def test_stop_and_save_ends_the_loop_cleanly(
+    tracker: Tracker, panel: Panel, tmp_path: Path
+) -> None:
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     ran = []
     for step in ckpt.steps(1000):
@@ -144,22 +122,20 @@ def test_stop_and_save_ends_the_loop_cleanly(tracker: Tracker, tmp_path: Path) -
 
     # Running the cell again resumes from the stop and is not stopped by the old request.
     again = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None,
-                         model=Model())  # fmt: skip
+                         model=Weights(4))  # fmt: skip
     assert list(again.steps(20)) == list(range(16, 20))
     assert again.done
 
 
 def test_buttons_do_nothing_harmful_without_a_running_loop(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     panel.stop_button.click()
     assert "no training loop is running" in panel.message.value
     panel.save_button.click()
     assert "nothing to save" in panel.message.value
 
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(5):
         model.w += 1
@@ -177,7 +153,7 @@ def test_redraws_are_throttled_while_steps_go_by(tracker: Tracker, tmp_path: Pat
     panel = Panel(tracker, interval=interval)
     tracker.add_view(panel)
     before = panel.renders
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     started = time.monotonic()
     for _ in ckpt.steps(3000):
@@ -209,12 +185,10 @@ class WriteBackStore(LocalStore):
 
 
 def test_write_back_store_shows_syncing_until_the_store_confirms(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     store = WriteBackStore(tmp_path / "drive" / "run")
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(3):
         model.w += 1
@@ -232,22 +206,18 @@ def test_write_back_store_shows_syncing_until_the_store_confirms(
     ckpt.durability.close()
 
 
-def test_a_failed_save_is_shown_as_failed(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
+def test_a_failed_save_is_shown_as_failed(tracker: Tracker, panel: Panel, tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the checkpoints should go")
-    ckpt = Checkpointer(blocker, every=None, async_save=False, deadline=None, model=Model())
+    ckpt = Checkpointer(blocker, every=None, async_save=False, deadline=None, model=Weights(4))
     with pytest.raises(Exception, match="folder"):
         ckpt.save(step=1, block=True)
     assert "FAILED" in panel.checkpoint.value
     assert panel.bar.bar_style == "danger"
 
 
-def test_unknown_event_kinds_change_nothing(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
-    model = Model()
+def test_unknown_event_kinds_change_nothing(tracker: Tracker, panel: Panel, tmp_path: Path) -> None:
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(4):
         model.w += 1
@@ -274,11 +244,9 @@ def test_the_core_imports_no_ui(tmp_path: Path) -> None:
 
 
 def test_events_reach_the_tracker_from_the_background_writer(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=5, async_save=True, deadline=None, model=model)
     for _ in ckpt.steps(12):
         model.w += 1
@@ -301,12 +269,10 @@ def safe_line(panel: Panel, confirmed: str, timeout: float = 30) -> str:
 
 
 def test_safe_to_close_line_shows_the_local_disk_confirmed(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     assert panel.safe.value == ""  # nothing asked before a checkpoint exists
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(5):
         model.w += 1
@@ -317,11 +283,11 @@ def test_safe_to_close_line_shows_the_local_disk_confirmed(
     assert "fsynced to the local disk" in line
 
 
-def test_safe_to_close_line_waits_for_a_write_back_store(tracker: Tracker, tmp_path: Path) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
+def test_safe_to_close_line_waits_for_a_write_back_store(
+    tracker: Tracker, panel: Panel, tmp_path: Path
+) -> None:
     store = WriteBackStore(tmp_path / "drive" / "run")
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
     for _ in ckpt.steps(3):
         model.w += 1
@@ -340,28 +306,20 @@ def test_safe_to_close_line_waits_for_a_write_back_store(tracker: Tracker, tmp_p
     ckpt.durability.close()
 
 
-class SlowToAnswerStore(LocalStore):
-    """A write-back store whose answer about an upload takes until the test allows it."""
-
-    write_back = True
-    durability_poll_s = 0.02
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.answer = threading.Event()
+class SlowToAnswerStore(WriteBackStore):
+    """A write-back store whose answer about an upload takes until the test says it has
+    uploaded."""
 
     def durability(self, folder: str, manifest: Manifest) -> Durability:
-        self.answer.wait(60)
+        self.uploaded.wait(60)
         return Durability(SAVED)
 
 
 def test_asking_the_storage_never_holds_up_the_training_loop(
-    tracker: Tracker, tmp_path: Path
+    tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    panel = Panel(tracker)
-    tracker.add_view(panel)
     store = SlowToAnswerStore(tmp_path / "run")
-    model = Model()
+    model = Weights(4)
     ckpt = Checkpointer(store, every=None, keep=None, async_save=False, deadline=None, model=model)
     # The save in the loop is verified in this thread, and the panel hears of it here: the
     # question to the storage must go elsewhere, or the loop would wait for the answer.
@@ -369,7 +327,7 @@ def test_asking_the_storage_never_holds_up_the_training_loop(
         model.w += 1
     assert ckpt.done
     assert panel.safe.value == ""  # no answer yet, so nothing is claimed
-    store.answer.set()
+    store.uploaded.set()
     line = safe_line(panel, "true")
     assert 'data-step="5"' in line
     assert ckpt.durability is not None

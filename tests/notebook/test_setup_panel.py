@@ -286,55 +286,41 @@ def test_setup_text_for_a_terminal(kaggle: Path) -> None:
 # -- the training panel's additions ----------------------------------------------------------
 
 
-def test_training_panel_plots_the_metric_given_to_save(tmp_path: Path) -> None:
-    tracker = Tracker()
-    tracker.start()
+def test_training_panel_plots_the_metric_given_to_save(panel: Panel, tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "run", every=None, keep=None, deadline=None)
+    losses = []
+    for step in ckpt.steps(45):  # the final save at 45 has no metric
+        if step % 10 == 9:
+            losses.append(1.0 / (step + 1))
+            ckpt.save(metric={"loss": losses[-1], "acc": step / 40}, block=True)
+    ckpt.close()
+    panel.render()
+    assert 'data-metric="loss"' in panel.plot.value
+    assert f'data-points="{len(losses)}"' in panel.plot.value
+    assert f'data-last="{losses[-1]!r}"' in panel.plot.value
+    assert "<polyline" in panel.plot.value
+
+    # A new panel on the same folder shows the history at once.
+    fresh = Tracker()
+    fresh.start()
     try:
-        panel = Panel(tracker)
-        tracker.add_view(panel)
-        ckpt = Checkpointer(tmp_path / "run", every=None, keep=None, deadline=None)
-        losses = []
-        for step in ckpt.steps(45):  # the final save at 45 has no metric
-            if step % 10 == 9:
-                losses.append(1.0 / (step + 1))
-                ckpt.save(metric={"loss": losses[-1], "acc": step / 40}, block=True)
-        ckpt.close()
-        panel.render()
-        assert 'data-metric="loss"' in panel.plot.value
-        assert f'data-points="{len(losses)}"' in panel.plot.value
-        assert f'data-last="{losses[-1]!r}"' in panel.plot.value
-        assert "<polyline" in panel.plot.value
-
-        # A new panel on the same folder shows the history at once.
-        fresh = Tracker()
-        fresh.start()
-        try:
-            again = Checkpointer(tmp_path / "run", every=None, keep=None, deadline=None)
-            fresh.attach(again)
-            view = Panel(fresh)
-            assert f'data-points="{len(losses)}"' in view.plot.value
-            again.close()
-        finally:
-            fresh.stop()
+        again = Checkpointer(tmp_path / "run", every=None, keep=None, deadline=None)
+        fresh.attach(again)
+        view = Panel(fresh)
+        assert f'data-points="{len(losses)}"' in view.plot.value
+        again.close()
     finally:
-        tracker.stop()
+        fresh.stop()
 
 
-def test_training_panel_without_metrics_shows_no_plot(tmp_path: Path) -> None:
-    tracker = Tracker()
-    tracker.start()
-    try:
-        panel = Panel(tracker)
-        tracker.add_view(panel)
-        ckpt = Checkpointer(tmp_path / "run", every=5, deadline=None, async_save=False)
-        for _ in ckpt.steps(12):
-            pass
-        ckpt.close()
-        panel.render()
-        assert panel.plot.value == ""
-        assert 'data-age="' in panel.at_risk.value  # the time since the last verified one
-    finally:
-        tracker.stop()
+def test_training_panel_without_metrics_shows_no_plot(panel: Panel, tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "run", every=5, deadline=None, async_save=False)
+    for _ in ckpt.steps(12):
+        pass
+    ckpt.close()
+    panel.render()
+    assert panel.plot.value == ""
+    assert 'data-age="' in panel.at_risk.value  # the time since the last verified one
 
 
 def test_training_panel_shows_the_platform_clocks(kaggle: Path) -> None:

@@ -5,31 +5,23 @@ the terminal is a real pseudo-terminal."""
 from __future__ import annotations
 
 import os
-import pty
 import re
-import select
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
+
+from testkit.paths import with_testkit
+from testkit.terminal import stderr_on_a_terminal
 
 SCRIPT = textwrap.dedent(
     """
     import sys, time
-    import numpy as np
     import nbresume
-
-    class Model:
-        def __init__(self):
-            self.w = np.zeros(3)
-        def state_dict(self):
-            return {"w": self.w.copy()}
-        def load_state_dict(self, state):
-            self.w = np.asarray(state["w"]).copy()
+    from testkit.stateful import Weights
 
     run = nbresume.init("script", dir=sys.argv[1], quiet=sys.argv[2] == "quiet")
-    model = Model()
+    model = Weights()
     ckpt = run.checkpointer(model=model, every=40, async_save=False)
     for step in ckpt.steps(100):
         model.w += 1
@@ -45,14 +37,19 @@ def write_script(tmp_path: Path) -> Path:
     return script
 
 
-def test_log_lines_when_the_output_is_not_a_terminal(tmp_path: Path) -> None:
-    script = write_script(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run"), "loud"],
+def run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    """Run the script to its end, ``mode`` "loud" or "quiet", its output captured."""
+    return subprocess.run(
+        [sys.executable, str(write_script(tmp_path)), str(tmp_path / "run"), mode],
         capture_output=True,
         text=True,
         timeout=120,
+        env=with_testkit(os.environ),
     )
+
+
+def test_log_lines_when_the_output_is_not_a_terminal(tmp_path: Path) -> None:
+    proc = run_script(tmp_path, "loud")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "trained 100"  # stdout stays the program's
     assert "\r" not in proc.stderr
@@ -67,13 +64,7 @@ def test_log_lines_when_the_output_is_not_a_terminal(tmp_path: Path) -> None:
 
 
 def test_quiet_init_prints_nothing(tmp_path: Path) -> None:
-    script = write_script(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run"), "quiet"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script(tmp_path, "quiet")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert proc.stdout == "trained 100\n"
@@ -81,31 +72,11 @@ def test_quiet_init_prints_nothing(tmp_path: Path) -> None:
 
 def test_one_live_line_on_a_terminal(tmp_path: Path) -> None:
     script = write_script(tmp_path)
-    controller, terminal = pty.openpty()
-    proc = subprocess.Popen(
+    code, output = stderr_on_a_terminal(
         [sys.executable, str(script), str(tmp_path / "run"), "loud"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=terminal,
-        env={**os.environ, "COLUMNS": "200"},
+        with_testkit({**os.environ, "COLUMNS": "200"}),
     )
-    os.close(terminal)
-    output = b""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([controller], [], [], 1.0)
-        if ready:
-            try:
-                chunk = os.read(controller, 65536)
-            except OSError:  # the other end closed: the process is gone
-                break
-            if not chunk:
-                break
-            output += chunk
-        elif proc.poll() is not None:
-            break
-    os.close(controller)
-    assert proc.wait(timeout=60) == 0
+    assert code == 0
     text = output.decode()
     frames = [f.strip() for f in text.replace("\r\n", "\n").split("\r") if f.strip()]
     # Redrawn in place several times, the step going up, and ended by one newline.

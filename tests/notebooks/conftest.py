@@ -28,13 +28,13 @@ from typing import Any
 import pytest
 
 from nbresume.platforms.base import DETECTION_VARIABLES
+from testkit.paths import ROOT
 
 pytest.importorskip("papermill", reason="needs papermill and ipykernel (the test extra)")
 pytest.importorskip("ipykernel", reason="needs papermill and ipykernel (the test extra)")
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 
 #: Small settings for every run: a few seconds of training on 2 CPU cores, with a checkpoint

@@ -20,18 +20,24 @@ from pathlib import Path
 import pytest
 
 from nbresume.platforms.base import DETECTION_VARIABLES
+from testkit.ports import free_port
 from tiers import starts_processes
+
+#: The preflight's checks, in the order it reports them.
+CHECK_NAMES = [
+    "platform",
+    "accelerator",
+    "cuda build",
+    "internet",
+    "durable folder",
+    "memory",
+    "cpu",
+    "session clock",
+]
 
 #: What makes a platform recognise itself (the one list the detectors are checked
 #: against), plus the terminal's colour switch.
 PLATFORM_VARIABLES = (*DETECTION_VARIABLES, *("NO_COLOR",))
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (connections to it are refused at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from tests.platforms.conftest import CHECK_NAMES
 
 import nbresume
 from nbresume.checkpoint.loop import resolve_deadline
@@ -27,16 +28,6 @@ from nbresume.platforms import PLATFORMS, Platform, detect
 
 HOUR = 3600.0
 NAME = "resnet-cifar"
-CHECK_NAMES = {
-    "platform",
-    "accelerator",
-    "cuda build",
-    "internet",
-    "durable folder",
-    "memory",
-    "cpu",
-    "session clock",
-}
 #: Modules that detection must never import (they take seconds, or pull in a UI).
 HEAVY = ("torch", "IPython", "ipywidgets", "google", "kaggle", "fsspec", "numpy")
 
@@ -72,6 +63,21 @@ class Case:
 SLURM_END = time.time() + 3 * HOUR
 
 
+def _kaggle_case(case_id: str, run_type: str, *, strict: bool) -> Case:
+    """Kaggle, its session run interactively or as a committed (batch) run."""
+    return Case(
+        case_id,
+        env=lambda w: {"KAGGLE_KERNEL_RUN_TYPE": run_type},
+        root=lambda w: w / "kaggle" / "working" / "nbresume" / NAME,
+        cap_accelerated=9 * HOUR,
+        cap_cpu=12 * HOUR,
+        strict=strict,
+        gpu_fix="Settings → Accelerator",
+        clocks={"session cap": 12 * HOUR},
+        setup=lambda w: (w / "kaggle" / "working").mkdir(parents=True),
+    )
+
+
 def _colab_setup(world: Path) -> None:
     (world / "content").mkdir()
     (world / "drive-cloud").mkdir()  # what the Drive stand-in serves as "Google's servers"
@@ -102,28 +108,8 @@ CASES = [
         setup=_colab_setup,
         needs_drive=True,
     ),
-    Case(
-        "kaggle",
-        env=lambda w: {"KAGGLE_KERNEL_RUN_TYPE": "Interactive"},
-        root=lambda w: w / "kaggle" / "working" / "nbresume" / NAME,
-        cap_accelerated=9 * HOUR,
-        cap_cpu=12 * HOUR,
-        strict=False,
-        gpu_fix="Settings → Accelerator",
-        clocks={"session cap": 12 * HOUR},
-        setup=lambda w: (w / "kaggle" / "working").mkdir(parents=True),
-    ),
-    Case(
-        "kaggle-batch",
-        env=lambda w: {"KAGGLE_KERNEL_RUN_TYPE": "Batch"},
-        root=lambda w: w / "kaggle" / "working" / "nbresume" / NAME,
-        cap_accelerated=9 * HOUR,
-        cap_cpu=12 * HOUR,
-        strict=True,
-        gpu_fix="Settings → Accelerator",
-        clocks={"session cap": 12 * HOUR},
-        setup=lambda w: (w / "kaggle" / "working").mkdir(parents=True),
-    ),
+    _kaggle_case("kaggle", "Interactive", strict=False),
+    _kaggle_case("kaggle-batch", "Batch", strict=True),
     Case(
         "slurm",
         env=lambda w: {"SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(int(SLURM_END))},
@@ -305,7 +291,7 @@ def test_missing_gpu_fails_with_this_platforms_fix(case: Case) -> None:
     else:
         report = nbresume.preflight(accelerator="gpu")
     assert isinstance(report, nbresume.Report)
-    assert {c.name for c in report.checks} == CHECK_NAMES
+    assert {c.name for c in report.checks} == set(CHECK_NAMES)
     check = report["accelerator"]
     assert check.status == "fail"
     assert case.gpu_fix in check.fix

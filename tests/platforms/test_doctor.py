@@ -9,20 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.platforms.conftest import LoopbackServer
+from tests.platforms.conftest import CHECK_NAMES, LoopbackServer
 
 from nbresume.cli import main
-
-CHECK_NAMES = [
-    "platform",
-    "accelerator",
-    "cuda build",
-    "internet",
-    "durable folder",
-    "memory",
-    "cpu",
-    "session clock",
-]
 
 
 def test_table_names_every_check_and_exits_0(

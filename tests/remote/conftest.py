@@ -29,6 +29,7 @@ import pytest
 from nbresume.checkpoint.procfs import process_runs
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.runner import RunState, state_path
+from testkit.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train_job.py"
@@ -170,12 +171,6 @@ def verified_steps(folder: Path | str) -> dict[int, bool]:
 
 
 # -- a real sshd on loopback -------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def descendants(pid: int) -> list[int]:

@@ -19,8 +19,8 @@ import pytest
 
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store import LEASE_NAME, CheckpointStore, Holder
-from nbresume.cli import main
 from nbresume.pull import PART_SUFFIX, SAFE_LINE, STAGING_PREFIX, STILL_WRITING
+from testkit.cli import run_cli
 
 from .conftest import (
     HANG_S,
@@ -300,15 +300,6 @@ def test_home_relative_paths_and_the_identity_option(
 
 
 # -- local and fsspec sources (no server needed) ------------------------------------------------
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_only_committed_checkpoints_are_pulled_from_a_local_folder(

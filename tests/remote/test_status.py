@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from nbresume.checkpoint.format import step_dirname
-from nbresume.checkpoint.procfs import boot_id, process_runs
-from nbresume.cli import main
+from nbresume.checkpoint.procfs import process_runs
 from nbresume.pull import is_kaggle_ref
-from nbresume.runner import RunState, process_start, state_path
+from testkit.cli import run_cli
+from testkit.supervisor import RecordedJob
 
 from .conftest import (
     HANG_S,
@@ -30,12 +30,7 @@ from .conftest import (
 
 
 def status(target: Path | str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(["status", str(target)])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(["status", str(target)], capsys)
 
 
 def test_a_running_job_then_one_that_died_without_a_word(
@@ -190,30 +185,8 @@ def test_a_live_job_that_stopped_saving_is_flagged(
         (folder / "state.json").write_text(f'{{"step": {step}}}')
         created = (now - timedelta(minutes=minutes_ago)).isoformat(timespec="seconds")
         forge_manifest(folder, created=created)
-    job = subprocess.Popen(["sleep", "120"])
-    try:
-        state = RunState(
-            command=["python", "train.py"],
-            log=str(ckpt / "nbresume-run.log"),
-            cwd=str(tmp_path),
-            dir=str(ckpt),
-            boot_id=boot_id(),
-            started=(now - timedelta(hours=4)).timestamp(),
-            status="running",
-            supervisor_pid=job.pid,
-            supervisor_start=process_start(job.pid),
-            pid=job.pid,
-            pid_start=process_start(job.pid),
-            pgid=job.pid,
-            attempt=1,
-            attempt_started=(now - timedelta(hours=4)).timestamp(),
-        )
-        state.write(state_path(Path(state.log)))
-
+    with RecordedJob(ckpt, tmp_path, started=(now - timedelta(hours=4)).timestamp()) as job:
         code, out, _ = status(ckpt, capsys)
-    finally:
-        job.kill()
-        job.wait()
 
     assert code == 0, out
     assert f"process:    running: pid {job.pid}" in out

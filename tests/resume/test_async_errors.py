@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from torch import nn
 
 import nbresume
 from nbresume import CheckpointError, Event, StorageError
+from testkit.tinydisk import on_a_tiny_disk
 
 HERE = Path(__file__).parent
 
@@ -203,22 +203,7 @@ def test_a_disk_that_fills_up_fails_a_background_save_and_keeps_the_previous_one
     tmp_path: Path,
 ) -> None:
     """On a real 4 MiB file system that something else fills up."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("needs util-linux `unshare` to mount a small tmpfs without privileges")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    shell = 'mount -t tmpfs -o size=4m nbresume-test "$1" || exit 77; exec "$2" "$3" "$1"'
-    namespace = [unshare, "--user", "--map-root-user", "--mount"]
-    child = [sys.executable, str(HERE / "disk_full_child.py")]
-    proc = subprocess.run(
-        [*namespace, "sh", "-c", shell, "sh", str(mount), *child],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode == 77 or proc.stderr.startswith("unshare:"):
-        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {proc.stderr.strip()}")
+    proc = on_a_tiny_disk(tmp_path / "tiny", [sys.executable, str(HERE / "disk_full_child.py")])
     assert proc.stdout.strip(), proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
 

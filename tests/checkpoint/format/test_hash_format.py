@@ -23,8 +23,8 @@ from tests.test_golden import expected_tensors
 
 from nbresume import CheckpointStore, CorruptCheckpointError, UsageError
 from nbresume.checkpoint.format import MANIFEST_NAME, FileEntry, parse_manifest, step_dirname
+from testkit.paths import TESTS
 
-TESTS = Path(__file__).resolve().parents[2]
 GOLDEN_V1_1 = TESTS / "golden" / "v1.1"
 
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from tests.stateful import QUIET, Counter
 from torch import nn
 from torch.utils.data import DataLoader
 
 import nbresume
 from nbresume import Checkpointer, Event
 from nbresume.errors import CheckpointError, NoCheckpointError, UsageError
+from testkit.stateful import QUIET, Counter
 
 
 class Recorder:

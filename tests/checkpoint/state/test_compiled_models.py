@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.stateful import QUIET
 from torch import nn
 
 from nbresume import Checkpointer
 from nbresume.errors import CheckpointError
+from testkit.stateful import QUIET
+from testkit.training import train_steps
 
 
 class Net(nn.Module):
@@ -37,15 +38,6 @@ def build(*, compiled: bool, seed: int = 0) -> tuple[nn.Module, torch.optim.Opti
     if compiled:
         model = torch.compile(model, backend="eager")  # type: ignore[assignment]
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        generator = torch.Generator().manual_seed(step)
-        loss = model(torch.randn(6, 8, generator=generator)).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
 
 
 def tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -75,18 +67,18 @@ def test_a_checkpoint_restores_across_torch_compile_and_resumes_bit_exactly(
     if saved_compiled:
         assert any(k.startswith("_orig_mod.") for k in model.state_dict())
     ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=optimizer, **QUIET)
-    train(model, optimizer, range(4))
+    train_steps(model, optimizer, range(4), batch=6)
     ckpt.save(4)
     ckpt.close()
     at_save = tensors(model, optimizer)
-    train(model, optimizer, range(4, 8))  # the run that never stopped
+    train_steps(model, optimizer, range(4, 8), batch=6)  # the run that never stopped
     uninterrupted = tensors(model, optimizer)
 
     model, optimizer = build(compiled=restored_compiled, seed=1)  # other weights before
     ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=optimizer, **QUIET)
     assert ckpt.restore() == 4
     assert_same(tensors(model, optimizer), at_save)
-    train(model, optimizer, range(4, 8))
+    train_steps(model, optimizer, range(4, 8), batch=6)
     ckpt.close()
     assert_same(tensors(model, optimizer), uninterrupted)
 

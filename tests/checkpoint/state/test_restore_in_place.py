@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from tests.stateful import QUIET
 from torch import nn
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.errors import CheckpointError
+from testkit.stateful import QUIET
+from testkit.training import train_steps
 
 
 class Net(nn.Module):
@@ -41,15 +42,6 @@ def build(seed: int) -> tuple[Net, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def train(model: Net, optimizer: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        generator = torch.Generator().manual_seed(step)
-        loss = model(torch.randn(4, 8, generator=generator)).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     tensors = [t.clone() for t in model.state_dict().values()]
     for state in optimizer.state_dict()["state"].values():
@@ -68,10 +60,10 @@ def saved_run(folder: Path) -> list[torch.Tensor]:
     """Train 3 steps, save, train 3 more; return the state after all 6."""
     model, optimizer = build(seed=0)
     ckpt = Checkpointer(folder, model=model, optimizer=optimizer, **QUIET)
-    train(model, optimizer, range(3))
+    train_steps(model, optimizer, range(3), batch=4)
     ckpt.save(3)
     ckpt.close()
-    train(model, optimizer, range(3, 6))
+    train_steps(model, optimizer, range(3, 6), batch=4)
     return snapshot(model, optimizer)
 
 
@@ -89,7 +81,7 @@ def test_a_restored_run_continues_bit_exactly_in_its_own_memory(tmp_path: Path) 
     # Every parameter, the tied one too, keeps its memory: the checkpoint was read into it.
     moved = {name for name, p in model.named_parameters() if p.data_ptr() != pointers[name]}
     assert moved == set()
-    train(model, optimizer, range(3, 6))
+    train_steps(model, optimizer, range(3, 6), batch=4)
     assert_equal(snapshot(model, optimizer), expected)
     # What it saves next is what it trained.
     ckpt.save(6)
@@ -99,16 +91,22 @@ def test_a_restored_run_continues_bit_exactly_in_its_own_memory(tmp_path: Path) 
         assert torch.equal(loaded.tensors["model"][name], value), name
 
 
-def test_layouts_shared_memory_and_views_are_kept(tmp_path: Path) -> None:
-    """A channels_last weight, a model in shared memory (Hogwild) and parameters that are
-    views of one flat buffer keep their layout and memory after a restore."""
-    torch.manual_seed(0)
+def laid_out(seed: int) -> tuple[nn.Module, torch.Tensor, nn.Module, nn.Module]:
+    """A channels_last convolution, a flat buffer and a module whose two parameters are views
+    of it, and a model in shared memory (Hogwild), made after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
     conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     flat = torch.zeros(6)
     viewed = nn.Module()
     viewed.a = nn.Parameter(flat[:2])  # type: ignore[assignment]
     viewed.b = nn.Parameter(flat[2:])  # type: ignore[assignment]
-    shared = nn.Linear(4, 4).share_memory()
+    return conv, flat, viewed, nn.Linear(4, 4).share_memory()
+
+
+def test_layouts_shared_memory_and_views_are_kept(tmp_path: Path) -> None:
+    """A channels_last weight, a model in shared memory (Hogwild) and parameters that are
+    views of one flat buffer keep their layout and memory after a restore."""
+    conv, _, viewed, shared = laid_out(0)
     for module in (conv, viewed, shared):
         for p in module.parameters():
             p.data.normal_()
@@ -118,13 +116,7 @@ def test_layouts_shared_memory_and_views_are_kept(tmp_path: Path) -> None:
     expected = {name: snapshot(m, torch.optim.SGD([torch.zeros(1)])) for name, m in
                 {"conv": conv, "viewed": viewed, "shared": shared}.items()}  # fmt: skip
 
-    torch.manual_seed(1)
-    conv2 = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-    flat2 = torch.zeros(6)
-    viewed2 = nn.Module()
-    viewed2.a = nn.Parameter(flat2[:2])  # type: ignore[assignment]
-    viewed2.b = nn.Parameter(flat2[2:])  # type: ignore[assignment]
-    shared2 = nn.Linear(4, 4).share_memory()
+    conv2, flat2, viewed2, shared2 = laid_out(1)
     ckpt = Checkpointer(tmp_path / "run", conv=conv2, viewed=viewed2, shared=shared2, **QUIET)
     assert ckpt.restore() == 1
     ckpt.close()

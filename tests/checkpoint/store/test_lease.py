@@ -30,8 +30,8 @@ from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.store import LEASE_NAME, this_process
 from nbresume.cli import main as cli_main
 from nbresume.errors import CheckpointError, FolderInUseError, LeaseLostError, StorageError
-
-TESTS = Path(__file__).resolve().parents[2]
+from testkit.paths import with_testkit
+from testkit.stateful import Counter
 
 # A training run as a user writes it: a Checkpointer that saves every step and keeps three.
 # It prints each checkpoint it reports saved, trains until `total` or until the stop file
@@ -41,18 +41,10 @@ import json, os, sys, time
 location, total, pause, stop_file, options = sys.argv[1:6]
 options = json.loads(options)
 if options:
-    sys.path.insert(0, os.path.join(os.environ["NBRESUME_TESTS"], "contract"))
-    from backends import install_loopback_guard
+    from testkit.backends import install_loopback_guard
     install_loopback_guard()
 from nbresume import Checkpointer
-
-class Counter:
-    def __init__(self):
-        self.n = 0
-    def state_dict(self):
-        return {"n": self.n}
-    def load_state_dict(self, state):
-        self.n = int(state["n"])
+from testkit.stateful import Counter
 
 def say(line):
     sys.stdout.write(line + "\n")  # one write: lines from two threads never mix
@@ -67,12 +59,12 @@ ckpt = Checkpointer(location, every=1, keep=3, deadline=None, callbacks=[record]
                     storage_options=options or None, counter=counter)
 say(f"holding from {ckpt.restore()}")
 for step in ckpt.steps(int(total)):
-    counter.n += 1
+    counter.count += 1
     time.sleep(float(pause))
     if stop_file and os.path.exists(stop_file):
         ckpt.request_stop("asked to stop")
 ckpt.close()
-say(f"done {counter.n}")
+say(f"done {counter.count}")
 """
 
 
@@ -95,7 +87,7 @@ class Writer:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, **(env or {}), "NBRESUME_TESTS": str(TESTS)},
+            env=with_testkit({**os.environ, **(env or {})}),
         )  # fmt: skip
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -172,17 +164,6 @@ def lease_of_another_host(*, renewed_ago: float) -> bytes:
             "program": "train.py",
         }
     ).encode()
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"n": self.n}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.n = int(state["n"])
 
 
 QUIET: dict[str, Any] = {"every": None, "deadline": None}
@@ -274,7 +255,7 @@ def test_a_stale_lease_from_another_host_is_taken_over(
     with caplog.at_level(logging.WARNING, logger="nbresume"):
         ckpt = Checkpointer(folder, counter=counter, **QUIET)
     assert re.search(r"took over the writer lease .*gpu-box-7\.example.*: it expired", caplog.text)
-    counter.n = 5
+    counter.count = 5
     assert ckpt.save(step=5, block=True) is not None
     assert lease_file(folder)["pid"] == os.getpid()
     ckpt.close()
@@ -306,7 +287,7 @@ def test_a_checkpointer_made_again_in_the_same_process_takes_over(tmp_path: Path
     counter = Counter()
     new = Checkpointer(folder, counter=counter, **QUIET)
     assert new.restore() == 1
-    counter.n = 2
+    counter.count = 2
     assert new.save(step=2, block=True) is not None
 
     with pytest.raises(LeaseLostError, match="newer Checkpointer"):
@@ -412,7 +393,7 @@ def test_a_lease_file_holding_values_nbresume_never_writes_is_taken_over(
         ckpt = Checkpointer(folder, counter=counter, **QUIET)
     assert "took over the writer lease" in caplog.text
     assert "its lease file cannot be read" in caplog.text
-    counter.n = 1
+    counter.count = 1
     assert ckpt.save(step=1, block=True) is not None
     assert lease_file(folder)["pid"] == os.getpid()
     ckpt.close()
@@ -617,12 +598,9 @@ def test_on_an_object_store_a_folder_in_the_lease_files_place_is_named_with_the_
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback, a fresh bucket, and what a client needs to reach it."""
     pytest.importorskip("moto")
-    sys.path.insert(0, str(TESTS / "contract"))
-    try:
-        from backends import FAKE_AWS_ENV, loopback_only, start_moto_server
-    finally:
-        sys.path.remove(str(TESTS / "contract"))
     import s3fs
+
+    from testkit.backends import FAKE_AWS_ENV, loopback_only, start_moto_server
 
     home = tmp_path_factory.mktemp("moto")
     server, endpoint = start_moto_server(home / "server.log")

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import torch
-from tests.stateful import Counter
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.backends import DELETING_PREFIX
 from nbresume.checkpoint.format import step_dirname
+from testkit.stateful import Counter
 
 
 def hidden(root: Path) -> list[str]:

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from nbresume import (
 )
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store.store import format_bytes
+from testkit.tinydisk import on_a_tiny_disk
 
 
 def bits(tensor: torch.Tensor) -> bytes:
@@ -436,21 +436,8 @@ print(json.dumps(result))
 
 def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path: Path) -> None:
     """On a real 4 MiB file system (a tmpfs in a private mount namespace)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("needs util-linux `unshare` to mount a small tmpfs without privileges")
     mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    shell = 'mount -t tmpfs -o size=4m nbresume-test "$1" || exit 77; exec "$2" -c "$3" "$1"'
-    namespace = [unshare, "--user", "--map-root-user", "--mount"]
-    proc = subprocess.run(
-        [*namespace, "sh", "-c", shell, "sh", str(mount_point), sys.executable, _TINY_DISK_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode == 77 or proc.stderr.startswith("unshare:"):
-        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {proc.stderr.strip()}")
+    proc = on_a_tiny_disk(mount_point, [sys.executable, "-c", _TINY_DISK_SCRIPT])
     assert proc.returncode == 0, proc.stderr
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -489,7 +476,6 @@ def test_verify_says_a_checkpoint_deleted_while_it_was_read_is_gone_not_damaged(
 ) -> None:
     # `nbresume verify` on a folder whose writer is training: the writer's retention deletes
     # the oldest checkpoint between the verifier's listing and its reading.
-    import shutil
 
     from nbresume.checkpoint.backends.local import LocalStore
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 
 from nbresume.checkpoint.backends import FsspecStore
 from nbresume.checkpoint.store import CheckpointStore
+from testkit.ports import free_port
 
 #: One thing a backend did, in order: ("written", "000000000001/model.safetensors"),
 #: ("opened", ...), ("removed", ...), ("renamed", src, dst). Paths are relative to the root.
@@ -288,13 +288,6 @@ class Backend:
 
 
 # -- a real S3 API server on loopback ---------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def start_moto_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -51,6 +51,7 @@ import tarfile
 import threading
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -611,6 +612,23 @@ def _read_only(folder: Path) -> None:
     for path in sorted(folder.rglob("*"), reverse=True):
         path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)
     folder.chmod(stat.S_IMODE(folder.stat().st_mode) & ~0o222)
+
+
+@contextlib.contextmanager
+def serving(folder: Path, sitecustomize_dir: Path, **options: Any) -> Iterator[FakeKaggle]:
+    """A started :class:`FakeKaggle` keeping its files in ``folder``, its machines' Python
+    importing ``sitecustomize_dir`` first; afterwards, every request it saw must have been
+    meant for localhost."""
+    server = FakeKaggle(folder, **options)
+    server.sitecustomize_dir = sitecustomize_dir
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        if folder.exists():
+            make_writable(folder)
+    assert server.violations == [], f"requests not meant for loopback: {server.violations}"
 
 
 def make_writable(folder: Path) -> None:
