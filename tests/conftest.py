@@ -10,17 +10,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 # The suite's tiers: the ``proc`` mark, given at collection, and the watch that keeps the
-# in-process tier in-process (tests/tiers.py).
-pytest_plugins = ["tiers"]
+# in-process tier in-process (tests/tiers.py); how a run is spread over the workers
+# (tests/schedule.py).
+pytest_plugins = ["tiers", "schedule"]
 
 if TYPE_CHECKING:
     from colab_standin.cloud import Cloud
@@ -145,3 +150,60 @@ def cloud(tmp_path: Path) -> Iterator[tuple[Cloud, DriveServer]]:
     finally:
         server.stop()
         god.close()
+
+
+class HopLegs:
+    """The legs of one run hopping machines, as docs/examples/hop_train.py runs them: one
+    process until its session ends (a save at step 8, then the loop stops), two (torchrun,
+    gloo on CPU) until step 16, one again to the end (step 24)."""
+
+    SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "examples" / "hop_train.py"
+    LEGS = ((1, "8"), (2, "16"), (1, ""))  # (processes, NBRESUME_STOP_AT_STEP)
+    FINAL = re.compile(r"stopped at step (\d+) \((.+?)\); weights ([0-9a-f]{16})")
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+
+    def run(self, location: str, tmp: Path) -> list[tuple[int, str, str]]:
+        """Each leg's end, continuing at ``location`` (a folder or a URL): (step, "to be
+        continued" or "the training is done", a hash of the weights)."""
+        finals = []
+        for processes, stop in self.LEGS:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
+            env.update(NBRESUME_HOME=str(tmp / "home"), TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+            if stop:
+                env["NBRESUME_STOP_AT_STEP"] = stop
+            if processes == 1:
+                argv = [sys.executable, str(self.SCRIPT), location]
+            else:
+                torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+                assert torchrun is not None
+                argv = [torchrun, "--standalone", f"--nproc_per_node={processes}",
+                        str(self.SCRIPT), location]  # fmt: skip
+            done = subprocess.run(
+                argv, env=env, cwd=tmp, capture_output=True, text=True, timeout=600
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
+            found = self.FINAL.findall(done.stdout)
+            assert found, done.stdout + done.stderr
+            step, state, weights = found[-1]
+            finals.append((int(step), state, weights))
+        return finals
+
+    @property
+    def folder(self) -> Path:
+        """Where :attr:`on_a_folder` keeps its checkpoints."""
+        return self.scratch / "run"
+
+    @cached_property
+    def on_a_folder(self) -> list[tuple[int, str, str]]:
+        """The legs on a local folder: what a hop through any other place must end with (run
+        once per test process, for every test that compares with it)."""
+        return self.run(str(self.folder), self.scratch)
+
+
+@pytest.fixture(scope="session")
+def hop_legs(tmp_path_factory: pytest.TempPathFactory) -> HopLegs:
+    """docs/examples/hop_train.py's legs (:class:`HopLegs`), with their run on a local folder
+    shared by the tests that compare with it."""
+    return HopLegs(tmp_path_factory.mktemp("hop-on-a-folder"))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -68,21 +70,29 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-@pytest.mark.parametrize("platform", sorted(PLATFORMS))
-def test_the_extras_leave_the_platforms_packages_as_they_are(
-    platform: str, wheel: Path, tmp_path: Path
-) -> None:
-    extras = ",".join(EXTRAS)
+@dataclass
+class Resolution:
+    """A running ``pip install --dry-run`` of every extra for one platform."""
+
+    process: subprocess.Popen[bytes]
+    report: Path
+    output: Path  # what pip says, in a file: a pipe not yet read could fill and stop it
+
+
+def resolve(platform: str, wheel: Path, folder: Path) -> Resolution:
+    """Start pip resolving ``nbresume[every extra]`` for ``platform``'s Python, with the
+    platform's packages held at their versions."""
+    folder.mkdir()
     shipped = {canonicalize_name(k): v for k, v in PLATFORMS[platform]["packages"].items()}
-    constraints = tmp_path / "constraints.txt"
+    constraints = folder / "constraints.txt"
     constraints.write_text("".join(f"{name}=={version}\n" for name, version in shipped.items()))
-    report = tmp_path / "report.json"
-    done = pip(
+    report = folder / "report.json"
+    command = [
         "install",
         "--dry-run",
         "--ignore-installed",
         "--target",  # pip asks for one with --python-version; a dry run writes nothing there
-        str(tmp_path / "target"),
+        str(folder / "target"),
         "--progress-bar=off",
         "--report",
         str(report),
@@ -91,14 +101,49 @@ def test_the_extras_leave_the_platforms_packages_as_they_are(
         "--only-binary=:all:",
         "--constraint",
         str(constraints),
-        f"nbresume[{extras}] @ {wheel.as_uri()}",
-    )
+        f"nbresume[{','.join(EXTRAS)}] @ {wheel.as_uri()}",
+    ]
+    output = folder / "pip.log"
+    with output.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pip", "--disable-pip-version-check", *command],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return Resolution(process, report, output)
+
+
+@pytest.fixture(scope="module")
+def resolutions(
+    wheel: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Resolution]]:
+    """Every platform's resolution, started together: pip spends most of a resolution waiting
+    on the package index."""
+    base = tmp_path_factory.mktemp("resolutions")
+    started = {name: resolve(name, wheel, base / name) for name in sorted(PLATFORMS)}
+    yield started
+    for each in started.values():
+        if each.process.poll() is None:
+            each.process.kill()
+        each.process.wait()
+
+
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
+def test_the_extras_leave_the_platforms_packages_as_they_are(
+    platform: str, resolutions: dict[str, Resolution]
+) -> None:
+    extras = ",".join(EXTRAS)
+    shipped = {canonicalize_name(k): v for k, v in PLATFORMS[platform]["packages"].items()}
+    resolution = resolutions[platform]
+    resolution.process.wait(timeout=300)
+    output = resolution.output.read_text(errors="replace")
+    report = resolution.report
     said = "\n".join(
         line
-        for line in (done.stdout + done.stderr).splitlines()
+        for line in output.splitlines()
         if line.startswith(("The conflict is caused by", "    ", "ERROR"))
     )
-    assert done.returncode == 0, (
+    assert resolution.process.returncode == 0, (
         f"pip install 'nbresume[{extras}]' cannot keep {platform}'s packages "
         f"({PLATFORMS[platform]['source']}):\n{said[-3000:]}"
     )
