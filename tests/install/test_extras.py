@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -34,6 +35,9 @@ PLATFORMS: dict[str, Any] = tomllib.loads(Path(__file__).with_name("platforms.to
 EXTRAS = ("notebook", "kaggle", "hf", "lightning", "drive", "s3", "ssh")
 
 pytestmark = pytest.mark.slow
+
+#: How long one resolution may take, from its start.
+RESOLVE_TIMEOUT_S = 300
 
 
 def pip(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -77,6 +81,7 @@ class Resolution:
     process: subprocess.Popen[bytes]
     report: Path
     output: Path  # what pip says, in a file: a pipe not yet read could fill and stop it
+    deadline: float  # time.monotonic() by which pip must have answered
 
 
 def resolve(platform: str, wheel: Path, folder: Path) -> Resolution:
@@ -110,7 +115,7 @@ def resolve(platform: str, wheel: Path, folder: Path) -> Resolution:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    return Resolution(process, report, output)
+    return Resolution(process, report, output, time.monotonic() + RESOLVE_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +140,7 @@ def test_the_extras_leave_the_platforms_packages_as_they_are(
     extras = ",".join(EXTRAS)
     shipped = {canonicalize_name(k): v for k, v in PLATFORMS[platform]["packages"].items()}
     resolution = resolutions[platform]
-    resolution.process.wait(timeout=300)
+    resolution.process.wait(timeout=max(0.0, resolution.deadline - time.monotonic()))
     output = resolution.output.read_text(errors="replace")
     report = resolution.report
     said = "\n".join(
