@@ -16,9 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -35,9 +32,6 @@ PLATFORMS: dict[str, Any] = tomllib.loads(Path(__file__).with_name("platforms.to
 EXTRAS = ("notebook", "kaggle", "hf", "lightning", "drive", "s3", "ssh")
 
 pytestmark = pytest.mark.slow
-
-#: How long one resolution may take, from its start.
-RESOLVE_TIMEOUT_S = 300
 
 
 def pip(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -74,30 +68,21 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-@dataclass
-class Resolution:
-    """A running ``pip install --dry-run`` of every extra for one platform."""
-
-    process: subprocess.Popen[bytes]
-    report: Path
-    output: Path  # what pip says, in a file: a pipe not yet read could fill and stop it
-    deadline: float  # time.monotonic() by which pip must have answered
-
-
-def resolve(platform: str, wheel: Path, folder: Path) -> Resolution:
-    """Start pip resolving ``nbresume[every extra]`` for ``platform``'s Python, with the
-    platform's packages held at their versions."""
-    folder.mkdir()
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
+def test_the_extras_leave_the_platforms_packages_as_they_are(
+    platform: str, wheel: Path, tmp_path: Path
+) -> None:
+    extras = ",".join(EXTRAS)
     shipped = {canonicalize_name(k): v for k, v in PLATFORMS[platform]["packages"].items()}
-    constraints = folder / "constraints.txt"
+    constraints = tmp_path / "constraints.txt"
     constraints.write_text("".join(f"{name}=={version}\n" for name, version in shipped.items()))
-    report = folder / "report.json"
-    command = [
+    report = tmp_path / "report.json"
+    done = pip(
         "install",
         "--dry-run",
         "--ignore-installed",
         "--target",  # pip asks for one with --python-version; a dry run writes nothing there
-        str(folder / "target"),
+        str(tmp_path / "target"),
         "--progress-bar=off",
         "--report",
         str(report),
@@ -106,49 +91,14 @@ def resolve(platform: str, wheel: Path, folder: Path) -> Resolution:
         "--only-binary=:all:",
         "--constraint",
         str(constraints),
-        f"nbresume[{','.join(EXTRAS)}] @ {wheel.as_uri()}",
-    ]
-    output = folder / "pip.log"
-    with output.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pip", "--disable-pip-version-check", *command],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    return Resolution(process, report, output, time.monotonic() + RESOLVE_TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-def resolutions(
-    wheel: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Resolution]]:
-    """Every platform's resolution, started together: pip spends most of a resolution waiting
-    on the package index."""
-    base = tmp_path_factory.mktemp("resolutions")
-    started = {name: resolve(name, wheel, base / name) for name in sorted(PLATFORMS)}
-    yield started
-    for each in started.values():
-        if each.process.poll() is None:
-            each.process.kill()
-        each.process.wait()
-
-
-@pytest.mark.parametrize("platform", sorted(PLATFORMS))
-def test_the_extras_leave_the_platforms_packages_as_they_are(
-    platform: str, resolutions: dict[str, Resolution]
-) -> None:
-    extras = ",".join(EXTRAS)
-    shipped = {canonicalize_name(k): v for k, v in PLATFORMS[platform]["packages"].items()}
-    resolution = resolutions[platform]
-    resolution.process.wait(timeout=max(0.0, resolution.deadline - time.monotonic()))
-    output = resolution.output.read_text(errors="replace")
-    report = resolution.report
+        f"nbresume[{extras}] @ {wheel.as_uri()}",
+    )
     said = "\n".join(
         line
-        for line in output.splitlines()
+        for line in (done.stdout + done.stderr).splitlines()
         if line.startswith(("The conflict is caused by", "    ", "ERROR"))
     )
-    assert resolution.process.returncode == 0, (
+    assert done.returncode == 0, (
         f"pip install 'nbresume[{extras}]' cannot keep {platform}'s packages "
         f"({PLATFORMS[platform]['source']}):\n{said[-3000:]}"
     )
