@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 # The suite's tiers: the ``proc`` mark, given at collection, and the watch that keeps the
-# in-process tier in-process (tests/tiers.py).
-pytest_plugins = ["tiers"]
+# in-process tier in-process (tests/tiers.py); how a run is spread over the workers
+# (tests/schedule.py).
+pytest_plugins = ["tiers", "schedule"]
 
 if TYPE_CHECKING:
     from colab_standin.cloud import Cloud
