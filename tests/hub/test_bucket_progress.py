@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tests.stateful import QUIET
 
 from nbresume import Checkpointer
 from nbresume.checkpoint import events as ev
 from nbresume.checkpoint.format import MANIFEST_NAME, step_dirname
 from nbresume.notebook.progress import Tracker
 from nbresume.notebook.status_line import StatusLine
+from testkit.stateful import QUIET
 
 from .conftest import URL
 from .standin import HubStandIn
