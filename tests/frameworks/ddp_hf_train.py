@@ -26,8 +26,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 from ddp_rank import deadline_on, end_rank, say
-from hf_train import dataset, model, weights_hash
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from hf_train import arguments, dataset, model, weights_hash
+from transformers import PrinterCallback, Trainer, TrainerCallback
 from transformers.utils import logging as hf_logging
 
 import nbresume.hf
@@ -61,18 +61,11 @@ def main() -> int:
         if event.kind != "step":
             say(rank, f"event {event.kind} {event.step}")
 
-    args = TrainingArguments(
-        output_dir=options.output_dir,
-        max_steps=options.steps,
-        save_steps=options.save_steps,
-        per_device_train_batch_size=8,
-        learning_rate=1e-3,
+    args = arguments(
+        options.output_dir,
+        options.steps,
+        options.save_steps,
         logging_steps=1000,
-        use_cpu=True,
-        report_to="none",
-        dataloader_num_workers=0,
-        seed=42,
-        disable_tqdm=True,
         ddp_backend="gloo",
     )
     watcher = nbresume.hf.Callback(deadline=deadline, callbacks=[trace])

@@ -111,6 +111,24 @@ def weights_hash(net: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def arguments(output_dir: str, steps: int, save_steps: int, **options: Any) -> TrainingArguments:
+    """The Trainer's arguments every run of these scripts shares (batches of 8, seed 42, on the
+    CPU, no reports, no progress bars); ``options`` are the run's own."""
+    return TrainingArguments(
+        output_dir=output_dir,
+        max_steps=steps,
+        save_steps=save_steps,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to="none",
+        dataloader_num_workers=0,
+        seed=42,
+        disable_tqdm=True,
+        **options,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
@@ -132,19 +150,12 @@ def main() -> int:
 
         options.output_dir = str(mount_drive(str(knobs.drive_mount())) / options.output_dir)
     torch.set_num_threads(1)
-    args = TrainingArguments(
-        output_dir=options.output_dir,
-        max_steps=options.steps,
-        save_steps=options.save_steps,
+    args = arguments(
+        options.output_dir,
+        options.steps,
+        options.save_steps,
         save_total_limit=options.keep,
-        per_device_train_batch_size=8,
-        learning_rate=1e-3,
         logging_steps=4,
-        use_cpu=True,
-        report_to="none",
-        dataloader_num_workers=0,
-        seed=42,
-        disable_tqdm=True,
     )
     kill_at, delay = options.kill.split(":")
     callbacks: list[TrainerCallback] = [Report(int(kill_at), float(delay))]

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nbresume.lightning
 from nbresume.errors import CheckpointError, UsageError
+from testkit.lightning import quiet_trainer
 
 
 class Net(L.LightningModule):
@@ -62,12 +63,8 @@ def trainer(root: Path, epochs: int = 2, **options: Any) -> L.Trainer:
         save_last=True,
         every_n_train_steps=options.pop("every", None),
     )
-    return L.Trainer(
+    return quiet_trainer(
         max_epochs=epochs,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         plugins=[nbresume.lightning.CheckpointIO()],
         callbacks=[checkpoint, nbresume.lightning.Callback(deadline=None, announce=False)],
         default_root_dir=root,
@@ -252,12 +249,8 @@ def test_convert_lightning_moves_a_pickled_run_over(
     from nbresume.cli import main
 
     L.seed_everything(0, verbose=False)
-    plain = L.Trainer(
+    plain = quiet_trainer(
         max_epochs=1,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=tmp_path / "old", save_last=True)],
     )
     train, val = loaders()

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import nbresume.lightning
 from nbresume.checkpoint.backends import wait_for_removals
+from testkit.lightning import quiet_trainer
 
 STEPS_PER_EPOCH = 8
 EPOCHS = 3
@@ -153,12 +154,8 @@ def fit(
         plugins.append(plugin or nbresume.lightning.CheckpointIO())
     elif plugin is not None:
         plugins.append(plugin)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         max_epochs=EPOCHS,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=callbacks,
         plugins=plugins,

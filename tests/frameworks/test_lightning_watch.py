@@ -22,6 +22,7 @@ import nbresume.lightning
 from nbresume.checkpoint import events as ev
 from nbresume.errors import UsageError
 from nbresume.notebook.progress import SAVED, Tracker
+from testkit.lightning import quiet_trainer
 
 
 class Net(L.LightningModule):
@@ -83,12 +84,8 @@ def test_every_ckpt_save_reaches_the_panel_under_its_final_name(tmp_path: Path) 
         val = DataLoader(TensorDataset(x[32:], y[32:]), batch_size=16)
         io = SavesIO()
         L.seed_everything(0, verbose=False)
-        run = L.Trainer(
+        run = quiet_trainer(
             max_epochs=3,
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             plugins=[io],
             callbacks=[
                 ModelCheckpoint(

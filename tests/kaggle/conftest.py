@@ -128,3 +128,23 @@ def nbresume(
         timeout=timeout,
     )
     return Result(done.returncode, done.stdout, done.stderr)
+
+
+def commit(
+    tmp_path: Path,
+    server: FakeKaggle,
+    notebook: Path,
+    slug: str,
+    *args: str,
+    owner: str | None = None,
+    timeout: float = 300,
+) -> Result:
+    """Run ``nbresume commit`` of ``notebook`` as the kernel ``<owner>/<slug>`` (the fake
+    Kaggle's user unless told), from the notebook's folder, in the user's environment."""
+    kernel = f"{owner or server.username}/{slug}"
+    return nbresume(
+        ["commit", str(notebook), "--kernel", kernel, *args],
+        cwd=notebook.parent,
+        env=user_env(tmp_path, server),
+        timeout=timeout,
+    )

@@ -10,7 +10,7 @@ import pytest
 
 from testkit.fake_kaggle import FakeKaggle
 
-from .conftest import copy_notebook, nbresume, user_env
+from .conftest import commit, copy_notebook, nbresume, user_env
 
 #: Session cap of a leg, in seconds. deadline="auto" stops 120 s (plus a few saves and steps)
 #: before a platform cap, so a leg trains for what is left of 15 s once the kernel started:
@@ -35,43 +35,23 @@ def test_legs_cut_by_the_session_cap_end_bit_identical_to_one_uninterrupted_run(
 
     # The same training in one session long enough for it (it runs alongside the chain).
     reference = copy_notebook("train_chain.ipynb", user / "reference")
-    pushed = nbresume(
-        [
-            "commit",
-            str(reference),
-            "--kernel",
-            f"{owner}/train-reference",
-            "--no-smoke",
-            "--no-internet",
-            "--timeout",
-            "3600",
-        ],
-        cwd=reference.parent,
-        env=env,
+    pushed = commit(
+        tmp_path,
+        kaggle_server,
+        reference,
+        "train-reference",
+        *("--no-smoke", "--no-internet", "--timeout", "3600"),
     )
     assert pushed.code == 0, pushed.text
 
     chained = copy_notebook("train_chain.ipynb", user / "chained")
-    result = nbresume(
-        [
-            "commit",
-            str(chained),
-            "--kernel",
-            f"{owner}/train-chained",
-            "--no-smoke",
-            "--no-internet",
-            "--timeout",
-            str(LEG_CAP_S),
-            "--chain",
-            "--legs",
-            "20",
-            "--poll",
-            "0.25",
-            "-o",
-            str(user / "legs"),
-        ],
-        cwd=chained.parent,
-        env=env,
+    result = commit(
+        tmp_path,
+        kaggle_server,
+        chained,
+        "train-chained",
+        *("--no-smoke", "--no-internet", "--timeout", str(LEG_CAP_S), "--chain"),
+        *("--legs", "20", "--poll", "0.25", "-o", str(user / "legs")),
         timeout=900,
     )
     assert result.code == 0, result.text
@@ -128,22 +108,12 @@ def test_a_leg_that_fails_stops_the_chain_with_its_message(
     notebook = copy_notebook("runaway.ipynb", tmp_path / "user")
     env = user_env(tmp_path, kaggle_server)
     ref = f"{kaggle_server.username}/runaway-run"
-    result = nbresume(
-        [
-            "commit",
-            str(notebook),
-            "--kernel",
-            ref,
-            "--no-smoke",
-            "--no-internet",
-            "--timeout",
-            "5",
-            "--chain",
-            "--poll",
-            "0.25",
-        ],
-        cwd=notebook.parent,
-        env=env,
+    result = commit(
+        tmp_path,
+        kaggle_server,
+        notebook,
+        "runaway-run",
+        *("--no-smoke", "--no-internet", "--timeout", "5", "--chain", "--poll", "0.25"),
     )
     assert result.code == 1
     assert "leg 1 (" in result.err

@@ -14,15 +14,7 @@ import pytest
 from testkit.fake_kaggle import FakeKaggle
 from testkit.paths import ROOT
 
-from .conftest import Result, copy_notebook, nbresume, user_env
-
-
-def commit(tmp_path: Path, server: FakeKaggle, notebook: Path, slug: str, *args: str) -> Result:
-    return nbresume(
-        ["commit", str(notebook), "--kernel", f"{server.username}/{slug}", *args],
-        cwd=notebook.parent,
-        env=user_env(tmp_path, server),
-    )
+from .conftest import commit, copy_notebook, nbresume, user_env
 
 
 @pytest.mark.slow
@@ -176,19 +168,13 @@ def test_kaggle_refusals_end_commit_with_an_error_that_says_what_to_do(
     else:
         owner = "someone-else"
     notebook = copy_notebook("counter.ipynb", tmp_path / "user")
-    result = nbresume(
-        [
-            "commit",
-            str(notebook),
-            "--kernel",
-            f"{owner}/refused-run",
-            "--no-smoke",
-            "--no-wheel",
-            "--accelerator",
-            "t4x2",
-        ],
-        cwd=notebook.parent,
-        env=user_env(tmp_path, kaggle_server),
+    result = commit(
+        tmp_path,
+        kaggle_server,
+        notebook,
+        "refused-run",
+        *("--no-smoke", "--no-wheel", "--accelerator", "t4x2"),
+        owner=owner,
     )
     assert result.code == 1
     [message] = [line for line in result.err.splitlines() if "nbresume commit: error" in line]

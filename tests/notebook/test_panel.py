@@ -37,13 +37,21 @@ def data_state(html: str) -> tuple[str, str]:
     return step, state
 
 
+def trained(
+    where: Path | CheckpointStore, steps: int, *, every: int | None = None, async_save: bool = False
+) -> Checkpointer:
+    """A Checkpointer of a small model over ``steps`` training steps, each changing the model."""
+    model = Weights(4)
+    ckpt = Checkpointer(where, every=every, async_save=async_save, deadline=None, model=model)
+    for _ in ckpt.steps(steps):
+        model.w += 1
+    return ckpt
+
+
 def test_panel_shows_progress_and_the_verified_checkpoint(
     tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    model = Weights(4)
-    ckpt = Checkpointer(tmp_path / "run", every=10, async_save=False, deadline=None, model=model)
-    for _ in ckpt.steps(25):
-        model.w += 1
+    ckpt = trained(tmp_path / "run", 25, every=10)
 
     assert ckpt.done
     snap = tracker.snapshot()
@@ -184,14 +192,17 @@ class WriteBackStore(LocalStore):
         return Durability(SYNCING, "uploading to Drive")
 
 
+def three_steps_on_a_write_back_store(tmp_path: Path) -> tuple[WriteBackStore, Checkpointer]:
+    """Three training steps saved to a write-back store that has not confirmed the upload yet."""
+    store = WriteBackStore(tmp_path / "drive" / "run")
+    ckpt = trained(store, 3)
+    return store, ckpt
+
+
 def test_write_back_store_shows_syncing_until_the_store_confirms(
     tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    store = WriteBackStore(tmp_path / "drive" / "run")
-    model = Weights(4)
-    ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
-    for _ in ckpt.steps(3):
-        model.w += 1
+    store, ckpt = three_steps_on_a_write_back_store(tmp_path)
 
     # Verified in the local cache: syncing, never "saved".
     assert data_state(panel.checkpoint.value) == ("3", "syncing")
@@ -217,10 +228,7 @@ def test_a_failed_save_is_shown_as_failed(tracker: Tracker, panel: Panel, tmp_pa
 
 
 def test_unknown_event_kinds_change_nothing(tracker: Tracker, panel: Panel, tmp_path: Path) -> None:
-    model = Weights(4)
-    ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
-    for _ in ckpt.steps(4):
-        model.w += 1
+    ckpt = trained(tmp_path / "run", 4)
     shown = (panel.progress.value, panel.checkpoint.value)
     ckpt.events.emit("a-kind-from-the-future", 4, anything={"nested": [1, 2]})
     assert (panel.progress.value, panel.checkpoint.value) == shown
@@ -246,10 +254,7 @@ def test_the_core_imports_no_ui(tmp_path: Path) -> None:
 def test_events_reach_the_tracker_from_the_background_writer(
     tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    model = Weights(4)
-    ckpt = Checkpointer(tmp_path / "run", every=5, async_save=True, deadline=None, model=model)
-    for _ in ckpt.steps(12):
-        model.w += 1
+    ckpt = trained(tmp_path / "run", 12, every=5, async_save=True)
     ckpt.close()
     kinds_seen = tracker.snapshot()
     assert kinds_seen.last is not None
@@ -272,10 +277,7 @@ def test_safe_to_close_line_shows_the_local_disk_confirmed(
     tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
     assert panel.safe.value == ""  # nothing asked before a checkpoint exists
-    model = Weights(4)
-    ckpt = Checkpointer(tmp_path / "run", every=None, async_save=False, deadline=None, model=model)
-    for _ in ckpt.steps(5):
-        model.w += 1
+    _ckpt = trained(tmp_path / "run", 5)  # alive while the panel asks, as in a notebook
     line = safe_line(panel, "true")
     assert 'data-step="5"' in line
     assert "safe to close the tab" in line
@@ -286,11 +288,7 @@ def test_safe_to_close_line_shows_the_local_disk_confirmed(
 def test_safe_to_close_line_waits_for_a_write_back_store(
     tracker: Tracker, panel: Panel, tmp_path: Path
 ) -> None:
-    store = WriteBackStore(tmp_path / "drive" / "run")
-    model = Weights(4)
-    ckpt = Checkpointer(store, every=None, async_save=False, deadline=None, model=model)
-    for _ in ckpt.steps(3):
-        model.w += 1
+    store, ckpt = three_steps_on_a_write_back_store(tmp_path)
     # Verified in the local cache, not yet on Drive: not safe to close the tab.
     line = safe_line(panel, "false")
     assert 'data-step="3"' in line
