@@ -214,7 +214,8 @@ def test_verify_and_ls_read_a_lightning_checkpoint_folder(
 
     # A pickled .ckpt (Lightning without the plugin): never opened, and the way over named.
     torch.save({"global_step": 1}, ckpts / "old.ckpt")
-    tensors = next((ckpts / "last.ckpt").glob("*/tensors.safetensors"))
+    # The step-8 folder by name: the step-4 one may still be there, hidden, being deleted.
+    tensors = ckpts / "last.ckpt" / "000000000008" / "tensors.safetensors"
     damaged = bytearray(tensors.read_bytes())
     damaged[-1] ^= 0x01
     tensors.write_bytes(bytes(damaged))
@@ -344,7 +345,8 @@ def test_status_and_run_name_the_checkpoint_a_lightning_run_resumes_from(
     ) in restart_line(ckpts, tmp_path / "a.log")
 
     # last.ckpt damaged: the resume takes the newest other .ckpt, and so do status and run.
-    tensors = next((ckpts / "last.ckpt").glob("*/tensors.safetensors"))
+    # The newest folder by name: an older one may still be there, hidden, being deleted.
+    tensors = ckpts / "last.ckpt" / f"{step:012d}" / "tensors.safetensors"
     flip_a_bit(tensors)
     chosen = nbresume.lightning.last_checkpoint(ckpts)
     assert chosen is not None
