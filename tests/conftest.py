@@ -146,23 +146,3 @@ def cloud(tmp_path: Path) -> Iterator[tuple[Cloud, DriveServer]]:
     finally:
         server.stop()
         god.close()
-
-
-@pytest.fixture(autouse=True)
-def _ctrl_c_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test that leaves Ctrl-C ignored in this worker (a library's shutdown path can: Lightning
-    ignores SIGINT once it has caught a KeyboardInterrupt) would pass that on to every process
-    the later tests start, whose Ctrl-C tests then wait forever. Put back what was found, and
-    name the test that changed it."""
-    import signal
-    import warnings
-
-    before = signal.getsignal(signal.SIGINT)
-    yield
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and before is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, before)
-        warnings.warn(
-            f"{request.node.nodeid} left SIGINT ignored in the test process; put back",
-            RuntimeWarning,
-            stacklevel=1,
-        )
