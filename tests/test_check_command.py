@@ -360,14 +360,21 @@ def lingering_check(tmp_path: Path, *args: str) -> Iterator[subprocess.Popen[str
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     command = [sys.executable, "-m", "nbresume", "check", "--steps", "4", "--timeout", "120"]
-    check = subprocess.Popen(
-        [*command, "--", sys.executable, "lingering.py", *args],
-        cwd=tmp_path,
-        env=environment(tmp),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # Started as from a terminal, where Ctrl-C reaches it: a test run started in the background
+    # of a shell without job control has SIGINT ignored, and an ignored signal passes on to
+    # every process started (a handler does not: exec puts it back to the default).
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        check = subprocess.Popen(
+            [*command, "--", sys.executable, "lingering.py", *args],
+            cwd=tmp_path,
+            env=environment(tmp),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, found)
     try:
         yield check
     finally:
