@@ -32,6 +32,7 @@ from nbresume.checkpoint.format import (
     Manifest,
     parse_step_dirname,
 )
+from nbresume.checkpoint.units import format_bytes
 
 READ_CHUNK = 8 << 20
 
@@ -70,14 +71,20 @@ class Durability:
         return f"{self.state}: {self.reason}" if self.reason else self.state
 
 
-def syncing(total: int, waiting: list[str], says: str) -> Durability:
+def syncing(
+    total: int, waiting: list[str], says: str, *, size: tuple[int, int] | None = None
+) -> Durability:
     """:data:`SAVED` when no file of ``total`` is ``waiting``, else :data:`SYNCING` with how
-    many arrived, ``says`` and the first three files waited for."""
+    many arrived (with ``size``, how many of how many bytes), ``says`` and the first three
+    files waited for."""
     if not waiting:
         return Durability(SAVED)
+    arrived = f"{total - len(waiting)} of {total} files"
+    if size is not None:
+        arrived += f" ({format_bytes(size[0])} of {format_bytes(size[1])})"
     return Durability(
         SYNCING,
-        f"{total - len(waiting)} of {total} files {says}"
+        f"{arrived} {says}"
         + ", ".join(waiting[:3])
         + (f" and {len(waiting) - 3} more" if len(waiting) > 3 else ""),
     )

@@ -36,17 +36,15 @@ from nbresume.checkpoint import forksafe
 from nbresume.checkpoint.backends.base import (
     FAILED,
     MISSING,
-    SAVED,
     SMALL_FILE_LIMIT,
-    SYNCING,
     Backend,
     Durability,
+    syncing,
 )
 from nbresume.checkpoint.format import (
     MANIFEST_NAME,
     Manifest,
 )
-from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import StorageError, UsageError
 
 log = logging.getLogger("nbresume")
@@ -479,9 +477,13 @@ class HfBucketStore(Backend):
                 waiting.append((name, size, f"{got[0]} of {size} bytes"))
             elif got[1] != digest:
                 waiting.append((name, size, "other bytes: the bucket's xet_hash differs"))
-        if not waiting:
-            return Durability(SAVED)
-        return Durability(SYNCING, _progress(where, expected, waiting))
+        total = sum(size for size, _ in expected.values())
+        return syncing(
+            len(expected),
+            [f"{name} ({why})" for name, _, why in waiting],
+            f"of {where} confirmed by the bucket; not yet: ",
+            size=(total - sum(size for _, size, _ in waiting), total),
+        )
 
     def confirm(self, folder: str, manifest: Manifest) -> tuple[bool, str]:
         state = self.durability(folder, manifest)
@@ -507,22 +509,6 @@ class HfBucketStore(Backend):
 
     def remove_small(self, name: str) -> None:
         self._remove([self._remote(name)])
-
-
-def _progress(
-    where: str, expected: Mapping[str, tuple[int, str]], waiting: list[tuple[str, int, str]]
-) -> str:
-    """``"3 of 5 files (1.2 MB of 4.5 MB) of WHERE confirmed by the bucket; not yet: ..."``:
-    how much of a checkpoint the bucket confirms, as the panel and the status line show it."""
-    total = sum(size for size, _ in expected.values())
-    done = total - sum(size for _, size, _ in waiting)
-    not_yet = ", ".join(f"{name} ({why})" for name, _, why in waiting[:3])
-    if len(waiting) > 3:
-        not_yet += f" and {len(waiting) - 3} more"
-    return (
-        f"{len(expected) - len(waiting)} of {len(expected)} files ({format_bytes(done)} of "
-        f"{format_bytes(total)}) of {where} confirmed by the bucket; not yet: {not_yet}"
-    )
 
 
 def _hash_handle(handle: IO[bytes]) -> str:
