@@ -119,3 +119,19 @@ def test_a_wrong_short_form_is_refused_naming_it(
 def test_a_misspelled_keep_argument_names_the_option(tmp_path: object) -> None:
     with pytest.raises(ArgumentError, match="did you mean keep_best="):
         Checkpointer(tmp_path, keep_bset=("loss", "min"))
+
+
+def test_each_checkpoint_is_read_back_at_most_once_and_only_until_enough_are_kept() -> None:
+    # Asking whether a checkpoint counts may read all its bytes back: the best are asked in
+    # rank order only until enough of them count, the newest only until enough of them do.
+    checkpoints = infos(*({"loss": float(10 - i)} for i in range(10)))
+    asked: list[int] = []
+
+    def counts(info: CheckpointInfo) -> bool:
+        asked.append(info.step)
+        return True
+
+    gone = KeepPolicy(newest=1, metric="loss", mode="max", best=2).doomed(checkpoints, counts)
+    assert sorted(asked) == [1, 2, 10]  # the newest (step 10), then the two highest losses
+    assert len(asked) == len(set(asked))
+    assert [i.step for i in gone] == list(range(3, 10))

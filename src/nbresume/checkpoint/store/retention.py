@@ -91,7 +91,12 @@ class KeepPolicy:
                 key=lambda i: i.metrics[self.metric],
                 reverse=self.mode == "max",
             )
-            best = [i for i in ranked if kept(i)][: self.best or self.newest]
+            wanted = self.best or self.newest
+            for info in ranked:  # asked in rank order, only until enough count
+                if len(best) == wanted:
+                    break
+                if kept(info):
+                    best.append(info)
         names = {i.name for i in newest + best}
         newest_kept = max((i.step for i in newest + best), default=-1)
         return [
