@@ -22,6 +22,14 @@ from testkit.stateful import QUIET
 from testkit.training import train_steps
 
 
+@pytest.fixture(autouse=True)
+def inductor_cache_in_the_test_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dynamo keeps its profile of compiled frames in inductor's cache folder, which is
+    # /tmp/torchinductor_<user> unless this names another (and torch then sets it in
+    # os.environ itself: the monkeypatch takes it back out after the test).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
