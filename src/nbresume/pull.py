@@ -69,7 +69,7 @@ from nbresume.checkpoint.store import (
 )
 from nbresume.checkpoint.units import format_bytes
 from nbresume.errors import CorruptCheckpointError, NbresumeError, StorageError, UsageError
-from nbresume.frameworks.layout import kind_of, pull_refusal
+from nbresume.frameworks.layout import kind_of, travel_refusal
 
 #: Suffix of a file being copied (hidden: it starts with a dot).
 PART_SUFFIX = ".nbresume-part"
@@ -526,7 +526,7 @@ def pull(
     except (OSError, NbresumeError):
         framework = None  # the pull itself reports a source it cannot list
     if framework is not None:
-        raise UsageError(pull_refusal(framework), where=src)
+        raise UsageError(travel_refusal(framework, "pull"), where=src)
     target.mkdir(parents=True, exist_ok=True)
     with _quiet_prefetch_threads():
         return _pull_all(source, target, rate, out)

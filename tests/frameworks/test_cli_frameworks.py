@@ -191,6 +191,27 @@ def test_pull_of_a_trainer_output_dir_says_what_it_sees_and_what_to_do(
     assert not (tmp_path / "copy").exists()  # nothing half-copied
 
 
+def test_push_of_a_trainer_or_lightning_folder_says_what_it_sees_and_how_it_travels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nbresume.lightning
+
+    # Refused before any credential is read or any byte staged: no Kaggle account here.
+    monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(tmp_path / "no-kaggle"))
+    out = tmp_path / "out"
+    trainer_checkpoint(out, 2)
+    ckpts = tmp_path / "ckpts"
+    nbresume.lightning.CheckpointIO().save_checkpoint({"global_step": 4}, ckpts / "last.ckpt")
+    for folder, kind in ((out, "Hugging Face Trainer"), (ckpts, "Lightning")):
+        code, text, err = run(["push", str(folder), "--kaggle-dataset", "you/run1"], capsys)
+        assert code == 1, text + err  # as push's other refusals
+        assert f"the source holds {kind} checkpoints" in err
+        assert "nbresume push uploads nbresume checkpoint folders only" in err
+        assert "kaggle datasets version -p DIR" in err
+        assert "bucket" in err
+        assert "uploaded" not in text
+
+
 def test_verify_and_ls_read_a_lightning_checkpoint_folder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

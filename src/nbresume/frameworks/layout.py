@@ -253,12 +253,30 @@ def verify_lines(path: Path, kind: str) -> tuple[list[str], bool]:
     return lines, good == len(results)
 
 
-def pull_refusal(kind: str) -> str:
-    """Why ``nbresume pull`` does not copy a framework's folder, and what to do."""
+#: What ``nbresume pull`` and ``push`` do with a Checkpointer's folder, and how a framework's
+#: folder travels instead.
+_TRAVELS = {
+    "pull": (
+        "copies",
+        "copy the folder as it is (rsync -a, cp -r, or download it), then "
+        "`nbresume verify DST` reads back every file",
+    ),
+    "push": (
+        "uploads",
+        "upload the folder as it is as a dataset version (kaggle datasets version -p DIR "
+        "--dir-mode tar -m MESSAGE) and run `nbresume verify` on it in the notebook, or train "
+        "into a Hugging Face bucket that every machine reads (docs/platforms/hopping.md)",
+    ),
+}
+
+
+def travel_refusal(kind: str, command: str) -> str:
+    """Why ``nbresume pull`` or ``push`` (``command``) does not take a framework's folder,
+    and how that folder travels instead."""
+    verb, fix = _TRAVELS[command]
     return (
-        f"the source holds {DESCRIPTION[kind]}; nbresume pull copies nbresume checkpoint "
-        "folders only: copy the folder as it is (rsync -a, cp -r, or download it), then "
-        "`nbresume verify DST` reads back every file"
+        f"the source holds {DESCRIPTION[kind]}; nbresume {command} {verb} nbresume checkpoint "
+        f"folders only: {fix}"
     )
 
 
@@ -297,6 +315,6 @@ __all__ = [
     "list_lines",
     "local_kind",
     "newest_ckpt",
-    "pull_refusal",
+    "travel_refusal",
     "verify_lines",
 ]

@@ -54,6 +54,7 @@ from nbresume.errors import (
     SecretInCheckpointError,
     UsageError,
 )
+from nbresume.frameworks.layout import kind_of, travel_refusal
 from nbresume.kaggle import secrets
 from nbresume.kaggle.metadata import parse_ref
 from nbresume.platforms.base import check_run_name
@@ -82,6 +83,9 @@ def push(
 
     check_dataset_ref(dataset)
     store = CheckpointStore(folder, keep=None)
+    framework = kind_of(store.backend.list_folders())  # a Trainer's output_dir, a Lightning dirpath
+    if framework is not None:
+        raise UsageError(travel_refusal(framework, "push"), where=store.location)
     name = check_push_name(name) if name is not None else _run_name(store.location)
     out(f"nbresume push: {store.location} -> Kaggle dataset {dataset}")
     info = _chosen(store, step, folder, out)
