@@ -162,15 +162,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
+    command = _command(args)
     if not command:
-        return _usage(
-            args,
-            "the command to run is missing: give it after --, as in "
-            "`nbresume run --dir runs/exp1 -- python train.py`",
-        )
+        return _no_command(args, "nbresume run --dir runs/exp1 -- python train.py")
     state, path = runner.prepare(
         command, log=args.log, ckpt_dir=args.dir, retries=args.retries, backoff=args.backoff
     )
@@ -307,6 +301,19 @@ def _usage(args: argparse.Namespace, message: str) -> int:
     return 2
 
 
+def _command(args: argparse.Namespace) -> list[str]:
+    """The command that ``run`` and ``check`` are given after ``--`` (argparse keeps it)."""
+    command = list(args.command)
+    return command[1:] if command[:1] == ["--"] else command
+
+
+def _no_command(args: argparse.Namespace, example: str) -> int:
+    """The usage error of ``run`` or ``check`` given no command; ``example`` shows one."""
+    return _usage(
+        args, f"the command to {_name(args)} is missing: give it after --, as in `{example}`"
+    )
+
+
 def _cmd_convert_lightning(args: argparse.Namespace) -> int:
     try:
         from nbresume.lightning.convert import convert
@@ -330,15 +337,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from nbresume.resumecheck import check
 
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
+    command = _command(args)
     if not command:
-        return _usage(
-            args,
-            "the command to check is missing: give it after --, as in "
-            "`nbresume check -- python train.py`",
-        )
+        return _no_command(args, "nbresume check -- python train.py")
     return check(
         command,
         steps=args.steps,

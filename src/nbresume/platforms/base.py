@@ -163,8 +163,12 @@ class Platform(ABC):
         """How to get an accelerator of ``kind`` (``"gpu"`` or ``"tpu"``) here."""
         if kind == "tpu":
             return "run on a machine with a TPU (a TPU VM); this one has none"
-        gpus = "a GPU" if count == 1 else f"{count} GPUs"
-        return f"run on a machine with {gpus}; {GPU_VISIBLE_FIX}"
+        return f"{self.gpu_request(count)}; {GPU_VISIBLE_FIX}"
+
+    def gpu_request(self, count: int) -> str:
+        """How to be given ``count`` GPUs here (:meth:`accelerator_fix` adds how to check
+        that they are visible)."""
+        return f"run on a machine with {'a GPU' if count == 1 else f'{count} GPUs'}"
 
     def internet_fix(self) -> str:
         """How to get internet access here."""

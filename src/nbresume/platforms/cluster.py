@@ -14,7 +14,6 @@ from pathlib import Path
 from nbresume import knobs
 from nbresume.checkpoint.units import format_duration
 from nbresume.platforms.base import (
-    GPU_VISIBLE_FIX,
     HOUR,
     DangerClock,
     Platform,
@@ -132,12 +131,10 @@ class SlurmPlatform(_HomePlatform):
             ),
         ]
 
-    def accelerator_fix(self, kind: str, count: int = 1) -> str:
-        if kind == "tpu":
-            return super().accelerator_fix(kind, count)
+    def gpu_request(self, count: int) -> str:
         return (
             f"request GPUs with `#SBATCH --gres=gpu:{count}` (or `--gpus={count}`) and run "
-            f"inside the allocation; {GPU_VISIBLE_FIX}"
+            "inside the allocation"
         )
 
     def internet_fix(self) -> str:
@@ -193,12 +190,10 @@ class KubernetesPlatform(_HomePlatform):
             ),
         ]
 
-    def accelerator_fix(self, kind: str, count: int = 1) -> str:
-        if kind == "tpu":
-            return super().accelerator_fix(kind, count)
+    def gpu_request(self, count: int) -> str:
         return (
             f"set `resources.limits: nvidia.com/gpu: {count}` in the pod spec (the NVIDIA "
-            f"device plugin must run on the node); {GPU_VISIBLE_FIX}"
+            "device plugin must run on the node)"
         )
 
     def internet_fix(self) -> str:

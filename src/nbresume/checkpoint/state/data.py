@@ -558,20 +558,25 @@ def _stream_split_changed(epoch: int, saved: int, now: int) -> UsageError:
     )
 
 
-def job_rank() -> int:
-    """This process's rank in the ``torch.distributed`` job (0 without one)."""
+def _running_job() -> Any:
+    """``torch.distributed`` where a job of processes runs in it, else ``None`` (nothing is
+    imported: a program that has not imported it runs no job)."""
     dist: Any = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 0
-    return int(dist.get_rank())
+        return None
+    return dist
+
+
+def job_rank() -> int:
+    """This process's rank in the ``torch.distributed`` job (0 without one)."""
+    dist = _running_job()
+    return 0 if dist is None else int(dist.get_rank())
 
 
 def job_size() -> int:
     """The number of processes of the ``torch.distributed`` job (1 without one)."""
-    dist: Any = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return int(dist.get_world_size())
+    dist = _running_job()
+    return 1 if dist is None else int(dist.get_world_size())
 
 
 def _same_batches_of_workers(batch_size: int | None, state: dict[str, Any]) -> None:

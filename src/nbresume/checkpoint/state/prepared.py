@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from nbresume.checkpoint.state.data import ResumableLoader
+from nbresume.checkpoint.state.data import ResumableLoader, job_size
 from nbresume.errors import UsageError
 
 
@@ -74,7 +74,7 @@ def unwrap_loader(name: str, value: Any) -> tuple[Any, Callable[[Any], Any] | No
     if kind not in ("DataLoaderShard", "DataLoaderDispatcher"):
         return value, None
     base = getattr(value, "base_dataloader", None)
-    if kind == "DataLoaderDispatcher" and _processes() > 1:
+    if kind == "DataLoaderDispatcher" and job_size() > 1:
         raise UsageError(
             f"{name}= is Accelerate's DataLoaderDispatcher: the main process loads every batch "
             "and sends each process its slice, which nbresume's resumable loader cannot take",
@@ -95,10 +95,3 @@ def unwrap_loader(name: str, value: Any) -> tuple[Any, Callable[[Any], Any] | No
 
     non_blocking = bool(getattr(value, "_non_blocking", False))
     return base, functools.partial(send_to_device, device=device, non_blocking=non_blocking)
-
-
-def _processes() -> int:
-    dist: Any = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return int(dist.get_world_size())

@@ -342,26 +342,20 @@ class CheckpointStore:
         Returns once the deleted checkpoints' files are off the disk (the retention that runs
         after each save returns as soon as they are out of view: see :meth:`wait_removals`).
         """
-        deleted = self._prune(keep, keep_best, verify_kept=verify_kept)
+        policy = self.retention.but("CheckpointStore.prune", keep, keep_best)
+        verify_kept = check_bool("CheckpointStore.prune", "verify_kept", verify_kept)
+        deleted = self._prune(policy, verify_kept=verify_kept)
         self.wait_removals()
         return deleted
 
     def _retain(self) -> None:
         """Retention after a commit, handed to the pending checkpoint: the checkpoints kept
         are not read back again (each was verified when it was written)."""
-        self._prune(verify_kept=False)
+        self._prune(self.retention, verify_kept=False)
 
-    def _prune(
-        self,
-        keep: int | None = None,
-        keep_best: KeepBest | None = None,
-        *,
-        verify_kept: bool = True,
-    ) -> builtins.list[int]:
-        """:meth:`prune`, returning once the deleted checkpoints are out of view (on a local
-        folder their files are still being removed, in the background)."""
-        policy = self.retention.but("CheckpointStore.prune", keep, keep_best)
-        verify_kept = check_bool("CheckpointStore.prune", "verify_kept", verify_kept)
+    def _prune(self, policy: KeepPolicy, *, verify_kept: bool) -> builtins.list[int]:
+        """Delete the checkpoints beyond ``policy``, returning once they are out of view (on a
+        local folder their files are still being removed, in the background)."""
 
         def counts(info: CheckpointInfo) -> bool:
             ok = not verify_kept or verify_folder(self.backend, info.name).ok
