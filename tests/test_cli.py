@@ -310,17 +310,3 @@ def test_the_installed_command(three: Path, tmp_path: Path) -> None:
     usage = subprocess.run([*console_script()], capture_output=True, text=True, timeout=120)
     assert usage.returncode == 2
     assert "usage: nbresume" in usage.stderr
-
-
-def test_the_demo_keeps_the_promise(tmp_path: Path) -> None:
-    """The Quickstart's first command: train, SIGKILL twice, resume, equal weights, verified."""
-    folder = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nbresume.cli", "demo", "--dir", str(folder), "--seed", "7"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "bit-identical to the uninterrupted run: yes" in proc.stdout
-    assert "OK 3/3, errors 0" in proc.stdout
-    assert proc.stdout.count("killed after step") == 2
-    assert "resumed from step" in proc.stdout

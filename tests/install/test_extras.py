@@ -8,7 +8,12 @@ the platform may come out at another version. A failure gives pip's own explanat
 names the requirement that does not admit the platform's version.
 
 pip resolves over the package index (``--dry-run --report``: metadata only, nothing is
-installed); where the index cannot be reached the tests skip and say so.
+installed); where the index cannot be reached the tests skip and say so. An index that serves
+no separate metadata makes pip fetch each wheel whole to read it: torch is therefore stood in
+for by a wheel of its metadata alone (its version, and its requirements but the CUDA libraries
+and triton, ``torch_requires``), which pip prefers to the index's for its tag and build number;
+what an extra requires of torch, and of what torch requires, is resolved as before, without
+fetching 2 GB of torch and CUDA wheels.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -69,6 +75,34 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
+def torch_stand_in(platform: str, folder: Path) -> Path:
+    """A wheel of the platform's torch holding its metadata alone, in ``folder`` (for
+    ``--find-links``): with the tag pip ranks first for the platform's Python on this
+    machine, and a build number above any torch release's, so that pip takes it over the
+    index's torch of the same version."""
+    version = PLATFORMS[platform]["packages"]["torch"]
+    # pip's own most preferred tag for that Python here (its ranking, not packaging's).
+    debug = pip("debug", "--verbose", "--python-version", PLATFORMS[platform]["python"])
+    tag = debug.stdout.split("Compatible tags:", 1)[1].splitlines()[1].strip()
+    build = "9999"
+    info = f"torch-{version}.dist-info"
+    metadata = "".join(
+        [
+            f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+            *(f"Requires-Dist: {r}\n" for r in PLATFORMS[platform]["torch_requires"]),
+        ]
+    )
+    wheel = folder / f"torch-{version}-{build}-{tag}.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{info}/METADATA", metadata)
+        archive.writestr(
+            f"{info}/WHEEL",
+            f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nBuild: {build}\nTag: {tag}\n",
+        )
+        archive.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
 @pytest.mark.parametrize("platform", sorted(PLATFORMS))
 def test_the_extras_leave_the_platforms_packages_as_they_are(
     platform: str, wheel: Path, tmp_path: Path
@@ -78,6 +112,9 @@ def test_the_extras_leave_the_platforms_packages_as_they_are(
     constraints = tmp_path / "constraints.txt"
     constraints.write_text("".join(f"{name}=={version}\n" for name, version in shipped.items()))
     report = tmp_path / "report.json"
+    links = tmp_path / "links"
+    links.mkdir()
+    stand_in = torch_stand_in(platform, links)
     done = pip(
         "install",
         "--dry-run",
@@ -92,6 +129,8 @@ def test_the_extras_leave_the_platforms_packages_as_they_are(
         "--only-binary=:all:",
         "--constraint",
         str(constraints),
+        "--find-links",
+        str(links),
         f"nbresume[{extras}] @ {wheel.as_uri()}",
     )
     said = "\n".join(
@@ -103,11 +142,16 @@ def test_the_extras_leave_the_platforms_packages_as_they_are(
         f"pip install 'nbresume[{extras}]' cannot keep {platform}'s packages "
         f"({PLATFORMS[platform]['source']}):\n{said[-3000:]}"
     )
+    installs = json.loads(report.read_text())["install"]
     resolved = {
         canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
-        for item in json.loads(report.read_text())["install"]
+        for item in installs
     }
     assert "nbresume" in resolved
+    torch_from = {
+        item["download_info"]["url"] for item in installs if item["metadata"]["name"] == "torch"
+    }
+    assert torch_from <= {stand_in.as_uri()}, f"pip fetched torch from {torch_from}"
     changed = {
         name: f"{shipped[name]} -> {version}"
         for name, version in resolved.items()

@@ -13,7 +13,7 @@ Three things make a resumed epoch identical to the original:
    so that the global RNGs (torch, random, NumPy) are seeded per sample around
    ``__getitem__``. Augmentation then does not depend on which worker loaded the sample or
    where the run resumed. In the main process the training loop's RNG state is saved and put
-   back around each sample, so loading data never disturbs it (nor a rank's own seeded
+   back around the samples of each batch, so loading data never disturbs it (nor a rank's own seeded
    streams under ``torch.distributed``).
 
 The position is kept in samples of the epoch's order, over the whole job: with a
@@ -134,7 +134,23 @@ class _SeededDataset:
         batched = getattr(self.dataset, "__getitems__", None)
         if batched:
             return batched(list(indices))  # type: ignore[no-any-return]
-        return [self[index] for index in indices]
+        return self._samples(indices)
+
+    def _samples(self, indices: list[int]) -> list[Any]:
+        """``self[index]`` of each index: each sample on host streams seeded for it, as
+        :meth:`__getitem__` does, with the caller's states read and put back once for the
+        batch rather than once per sample (reading and setting them costs far more than
+        seeding: a batch of small samples took milliseconds)."""
+        numpy = sys.modules.get("numpy")
+        saved = _host_states(numpy)
+        try:
+            samples = []
+            for index in indices:
+                _seed_host_streams(sample_seed(index))
+                samples.append(self.dataset[index])
+            return samples
+        finally:
+            _put_host_states(saved, numpy)
 
 
 def batch_seed(seed: int, epoch: int, position: int, rank: int) -> int:
@@ -923,6 +939,7 @@ class ResumableLoader:
 #: exactly before returning (tests/test_rng_guest.py checks both).
 SCOPED_SEEDING: tuple[Callable[..., Any], ...] = (
     _SeededDataset.__getitem__,
+    _SeededDataset._samples,
     _read_under_seed,
     _OnOwnStreams.__next__,
 )
