@@ -553,12 +553,21 @@ def test_a_tensor_file_of_gigabytes_that_does_not_fit_is_passed_over_before_it_i
     state["objects"]["model"]["0.weight"]["shape"] = [16, columns]
     (folder / "state.json").write_text(json.dumps(state))
     reseal(folder)
-    verify, restored = bounded(("verify", run), ("restore", run), peak_below=800 << 20)
-    assert verify["result"] == 0, verify["out"]
+    verify, restored, verified = bounded(
+        ("verify", run), ("restore", run), ("verify-objects", run), peak_below=800 << 20
+    )
+    assert verify["result"] == 0, verify["out"]  # whole: nothing to compare it with
     assert restored["result"] == 10
     skipped = [w for w in restored["warnings"] if "skipped" in w]
     assert len(skipped) == 1, restored["warnings"]
-    assert "model.0.weight is [16, 50331648] float32 in the checkpoint" in skipped[0], skipped
+    misfit = "model.0.weight is [16, 50331648] float32 in the checkpoint"
+    assert misfit in skipped[0], skipped
+    # Checkpointer.verify() has the objects: restore's verdict, from the same headers.
+    assert verified["result"] == 1, verified["out"]
+    (failed,) = failed_lines(verified)
+    assert failed.startswith("FAIL  000000000020 ") and misfit in failed, verified["out"]
+    assert "does not fit the objects given" in failed and "Fix: " in failed, failed
+    assert "OK    000000000010" in verified["out"], verified["out"]
     path.unlink()  # sparse, but 3 GiB to anything that copies the test's folder
 
 
