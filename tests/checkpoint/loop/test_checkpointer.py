@@ -111,8 +111,7 @@ def test_verify_fails_a_checkpoint_that_does_not_fit_the_objects_as_restore_does
     assert not report.ok
     assert report.summary == "OK 1/2, errors 1"
     fits, misfit = sorted(report.results, key=lambda r: r.step)
-    assert fits.ok and fits.step == 1
-    assert not misfit.ok and misfit.step == 2
+    assert (fits.step, fits.ok, misfit.step, misfit.ok) == (1, True, 2, False)
     assert "does not fit the objects given: model.weight is [3, 4] float32 in the checkpoint" in (
         misfit.problem
     )
@@ -134,13 +133,15 @@ def test_verify_without_objects_checks_wholeness_only(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path / "run", **QUIET)
     ckpt["note"] = "a plain value"  # a value is no object to fit
     report = ckpt.verify()
-    assert report.ok and report.summary == "OK 1/1, errors 0"
+    assert report.ok
+    assert report.summary == "OK 1/1, errors 0"
     weights = tmp_path / "run" / "000000000001" / "model.safetensors"
     raw = bytearray(weights.read_bytes())
     raw[-1] ^= 1
     weights.write_bytes(raw)
     (damaged,) = ckpt.verify().results
-    assert not damaged.ok and "mismatch" in damaged.problem
+    assert not damaged.ok
+    assert "mismatch" in damaged.problem
     assert damaged == CheckpointStore(tmp_path / "run").verify().results[0]
     ckpt.close()
 
