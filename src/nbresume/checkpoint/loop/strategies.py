@@ -395,6 +395,9 @@ class Sharded(Strategy):
         super().check_fits(heads)
         assert heads.state is not None  # else the check above raised
         self._check_sharded_here(heads, heads.state.sharded)
+        # The sharded objects against the metadata's names, global sizes and dtypes, as a
+        # gathering restore checks them (here a restore's DCP load refuses what differs).
+        Gather(heads, self.host.sharded_objects()).undo()
 
     def _check_sharded_here(self, loaded: LoadedCheckpoint, saved_sharded: Sequence[str]) -> None:
         """Refuse a checkpoint that holds an object sharded which is here a plain object
