@@ -9,6 +9,8 @@ operation runs in turn:
 - ``lightning DIR``: ``nbresume.lightning.last_checkpoint(DIR)``;
 - ``restore DIR``: ``Checkpointer(DIR, model=..., optimizer=...).restore()`` of :func:`build`;
 - ``restore-plain DIR``: the same with :func:`build_plain_fsdp2` (a run two FSDP2 ranks saved);
+- ``verify-objects DIR``, ``verify-objects-plain DIR``: ``Checkpointer.verify()`` of the same
+  Checkpointers, its report printed as ``nbresume verify`` prints one;
 - ``load DIR``: ``CheckpointStore(DIR).load()`` (what Lightning's ``CheckpointIO`` loads);
 - ``pull SRC:DST``: ``nbresume pull SRC DST``;
 - ``push DIR``: ``nbresume push DIR --kaggle-dataset $KAGGLE_USERNAME/nbresume-verdict``, to
@@ -73,6 +75,27 @@ def restore(op: str, folder: str) -> int | str:
         return f"error: {exc}"
 
 
+def verify_objects(op: str, folder: str) -> int:
+    """The exit status ``nbresume verify`` would give the report of ``Checkpointer.verify()``
+    (which also checks that each checkpoint fits the objects), the report printed as it
+    prints one."""
+    from nbresume import Checkpointer
+
+    model, optimizer = build_plain_fsdp2(seed=1) if op.endswith("-plain") else build(seed=1)
+    ckpt = Checkpointer(
+        folder, model=model, optimizer=optimizer, every=None, deadline=None,
+        async_save=False, keep=None,
+    )  # fmt: skip
+    try:
+        report = ckpt.verify()
+    finally:
+        ckpt.close()
+    for result in report.results:
+        print(result)
+    print(report.summary)
+    return 0 if report.ok else 1
+
+
 def run(op: str, arg: str) -> dict[str, Any]:
     from nbresume.cli import main
 
@@ -103,6 +126,8 @@ def run(op: str, arg: str) -> dict[str, Any]:
                 result = None if found is None else str(found)
             elif op in ("restore", "restore-plain", "load"):
                 result = restore(op, arg)
+            elif op in ("verify-objects", "verify-objects-plain"):
+                result = verify_objects(op, arg)
             else:
                 raise SystemExit(f"unknown operation {op!r}")
     return {

@@ -34,7 +34,8 @@ CHILD = Path(__file__).with_name("hostile_child.py")
 #: a CPU build of torch, 3.2 GB with a CUDA one): what a hostile folder could make a reader
 #: allocate (gigabytes) does not fit.
 BUDGET = 2400 << 20
-#: Seconds a child may take for all its readers (each takes well under one).
+#: Seconds a child may take for each of its readers (each takes a few; hashing a sparse file of
+#: 3 GiB takes the most): only a child that hangs is stopped by it.
 TIMEOUT = 60
 
 
@@ -51,7 +52,7 @@ def run_child(*ops: tuple[str, str | Path]) -> dict[str, Any]:
         [sys.executable, str(CHILD), str(BUDGET), *argv],
         capture_output=True,
         text=True,
-        timeout=TIMEOUT,
+        timeout=TIMEOUT * len(ops),
         env=env,
     )
     output = done.stdout[-3000:] + done.stderr[-3000:]
@@ -553,12 +554,22 @@ def test_a_tensor_file_of_gigabytes_that_does_not_fit_is_passed_over_before_it_i
     state["objects"]["model"]["0.weight"]["shape"] = [16, columns]
     (folder / "state.json").write_text(json.dumps(state))
     reseal(folder)
-    verify, restored = bounded(("verify", run), ("restore", run), peak_below=800 << 20)
-    assert verify["result"] == 0, verify["out"]
+    verify, restored, verified = bounded(
+        ("verify", run), ("restore", run), ("verify-objects", run), peak_below=800 << 20
+    )
+    assert verify["result"] == 0, verify["out"]  # whole: nothing to compare it with
     assert restored["result"] == 10
     skipped = [w for w in restored["warnings"] if "skipped" in w]
     assert len(skipped) == 1, restored["warnings"]
-    assert "model.0.weight is [16, 50331648] float32 in the checkpoint" in skipped[0], skipped
+    misfit = "model.0.weight is [16, 50331648] float32 in the checkpoint"
+    assert misfit in skipped[0], skipped
+    # Checkpointer.verify() has the objects: restore's verdict, from the same headers.
+    assert verified["result"] == 1, verified["out"]
+    (failed,) = failed_lines(verified)
+    assert failed.startswith("FAIL  000000000020 "), verified["out"]
+    assert f"does not fit the objects given: {misfit}" in failed, failed
+    assert "Fix: build the model and optimizer exactly as" in failed, failed
+    assert "OK    000000000010" in verified["out"], verified["out"]
     path.unlink()  # sparse, but 3 GiB to anything that copies the test's folder
 
 

@@ -2,7 +2,8 @@
 
 Each folder holds an older checkpoint that is good and a newer one that is damaged (or, for
 the control rows, intact). Every reader a user runs on such a folder (``nbresume verify``,
-``restore()``, ``CheckpointStore.load`` (what push and Lightning's ``CheckpointIO`` read
+``restore()``, ``Checkpointer.verify()`` (which also checks that each checkpoint fits the
+objects, as restore does), ``CheckpointStore.load`` (what push and Lightning's ``CheckpointIO`` read
 through), ``nbresume pull``, ``nbresume push`` (to a fake Kaggle on loopback),
 ``nbresume.hf.last_checkpoint``, the Lightning reader) runs on it
 in one bounded child process per kind of folder, and each reader's verdict on the newer
@@ -95,7 +96,7 @@ def verdict(report: dict[str, Any], good: tuple[int, str], newer: tuple[int, str
     op, result = report["op"], report["result"]
     text = report["out"] + "\n".join(report["warnings"])
     name = newer[1].rsplit("/", 1)[-1]
-    if op == "verify":
+    if op in ("verify", "verify-objects", "verify-objects-plain"):
         failed = failed_lines(report)
         if result == 0 and not failed:
             return OK
@@ -221,20 +222,23 @@ def check_damaged_copies(
     newer: int,
 ) -> None:
     """Each damage done to the step ``newer`` of its own copy of the run ``template``: verify,
-    ``restore``, load, pull and push (to the fake Kaggle ``kaggle`` points at) each give every
+    ``restore`` and the same Checkpointer's ``verify()`` (``verify-objects`` with the objects of
+    ``restore``), load, pull and push (to the fake Kaggle ``kaggle`` points at) each give every
     copy the same verdict (``good`` is the step before, which is intact)."""
     ops, rows = [], list(damages)
+    verify_objects = restore.replace("restore", "verify-objects")
     for index, name in enumerate(rows):
         run = Path(shutil.copytree(template, tmp_path / f"run{index}"))
         damages[name](run / f"{newer:012d}")
-        ops += [("verify", str(run)), (restore, str(run)), ("load", str(run))]
+        ops += [("verify", str(run)), (restore, str(run)), (verify_objects, str(run))]
+        ops.append(("load", str(run)))
         ops.append(("pull", f"{run}:{tmp_path / f'pulled{index}'}"))
         ops.append(("push", str(run)))
     reports = run_ops(ops, kaggle)
     steps = (good, f"{good:012d}"), (newer, f"{newer:012d}")
     check_table(
         {
-            name: [verdict(r, *steps) for r in reports[5 * index : 5 * index + 5]]
+            name: [verdict(r, *steps) for r in reports[6 * index : 6 * index + 6]]
             for index, name in enumerate(rows)
         }
     )

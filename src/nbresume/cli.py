@@ -19,7 +19,7 @@ from typing import Any
 from nbresume import runner
 from nbresume.checkpoint.backends import SCHEME_PACKAGES, open_store
 from nbresume.checkpoint.format import created_time
-from nbresume.checkpoint.store import CheckpointStore, holding
+from nbresume.checkpoint.store import CheckpointStore, VerifyReport, holding
 from nbresume.checkpoint.units import format_bytes, format_duration
 from nbresume.checkpoint.version import __version__
 from nbresume.errors import NbresumeError, StorageError, UsageError
@@ -67,7 +67,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     if args.hashes:
         return _verify_hashes(CheckpointStore(args.dir, keep=None))
-    report = CheckpointStore(args.dir, keep=None).verify()
+    return print_verify_report(CheckpointStore(args.dir, keep=None).verify())
+
+
+def print_verify_report(report: VerifyReport) -> int:
+    """Print a verification as ``nbresume verify`` does (also ``%nbresume verify``'s, from
+    ``Checkpointer.verify()``); return its exit status."""
     for result in report.results:
         print(result)
     if report.uncommitted:
@@ -605,8 +610,10 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="read back every checkpoint and compare it with its manifest",
         description="Read back every file of every checkpoint in DIR and compare its size and "
-        "hash with the manifest. Exit status 1 when any checkpoint does not verify, or when "
-        "there is none.",
+        "hash with the manifest, and check that each is complete and consistent. Exit status 1 "
+        "when any checkpoint does not verify, or when there is none. Whether a checkpoint fits "
+        "a model and optimizer (names, shapes, dtypes) needs those objects: restore() judges "
+        "it, and so does Checkpointer.verify() (and %nbresume verify with a live Checkpointer).",
     )
     p.add_argument("dir", help="checkpoint folder: a path or an fsspec URL")
     p.add_argument(

@@ -71,10 +71,10 @@ def say(*words: object) -> None:
     sys.stdout.flush()
 
 
-def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(seed: int, width: int = 32) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=True)
+        torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 8, bias=True)
     )
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
@@ -188,8 +188,13 @@ def restore(args: argparse.Namespace) -> None:
 
 def train(args: argparse.Namespace) -> None:
     """A training loop under a Checkpointer that holds the FSDP2 model and its optimizer."""
-    model, optimizer = build(seed=0)
+    model, optimizer = build(seed=0, width=args.width)
     ckpt = Checkpointer(args.root, every=2, keep=2, deadline=None, model=model, optimizer=optimizer)
+    report = ckpt.verify()  # before the restore: with the objects to fit
+    for result in report.results:
+        if not result.ok:
+            say("failed", result.step, result.problem.replace("\n", " "))
+    say("verified", report.summary)
     say("start", ckpt.restore())
     for step in ckpt.steps(args.total):
         train_step(model, optimizer, step + 1)
@@ -213,6 +218,7 @@ def run_rank(rank: int, port: int, argv: list[str]) -> int:
     parser.add_argument("expected", type=Path)
     parser.add_argument("--total", type=int, default=6)
     parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--width", type=int, default=32, help="of the model's hidden layer")
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-file", default="")

@@ -221,9 +221,32 @@ def test_a_checkpointer_of_an_fsdp2_model_resumes_bit_exact(
     lines = cluster.run("train", tmp_path / "run", tmp_path, "--total", 6)
 
     assert_ended_well(lines)
+    # Checkpointer.verify() of the sharded job, on every rank: both whole, both fit.
+    assert said(lines, 0, "verified") == said(lines, 1, "verified") == ["OK 2/2, errors 0"]
     assert said(lines, 0, "start") == said(lines, 1, "start") == ["3"], lines
     assert said(lines, 0, "final") == said(lines, 1, "final") == [uninterrupted], lines
     assert CheckpointStore(tmp_path / "run").verify().ok
+
+
+def test_checkpointer_verify_of_another_fsdp2_model_fails_what_its_restore_refuses(
+    cluster: Cluster, fsdp2_run: Path, tmp_path: Path
+) -> None:
+    """A sharded job of a wider model: its Checkpointer.verify() fails both checkpoints,
+    whole as they are, from the sharded metadata and the live sharded objects, on every rank;
+    its restore refuses both too (DCP's load plan finds the sizes that differ)."""
+    run = Path(shutil.copytree(fsdp2_run / "run", tmp_path / "run"))
+    lines = cluster.run("train", run, tmp_path, "--total", 6, "--width", 24)
+
+    misfit = "model.0.weight is [32, 16] float32 in the checkpoint, [24, 16] float32 here"
+    for rank in (0, 1):
+        assert said(lines, rank, "verified") == ["OK 0/2, errors 2"], lines
+        failed = said(lines, rank, "failed")
+        assert [line.split()[0] for line in failed] == ["2", "3"], lines
+        assert all(misfit in line for line in failed), failed
+        (error,) = said(lines, rank, "error")
+        assert "of step 3 does not fit the state_dict given" in error, lines
+        assert said(lines, rank, "start") == [], lines
+    assert CheckpointStore(run).verify().summary == "OK 2/2, errors 0"  # both whole
 
 
 class _CreatesFile:
@@ -447,6 +470,7 @@ def test_what_fsdp2_saved_on_two_ranks_restores_whole_into_a_plain_model_in_one_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing passed over, nothing missing
         ckpt = Checkpointer(run, model=model, optimizer=optimizer, every=2, keep=2, deadline=None)
+        assert ckpt.verify().summary == "OK 2/2, errors 0"  # whole, and they fit
         assert ckpt.restore() == 3
     ckpt.close()
 
@@ -472,11 +496,17 @@ def test_a_sharded_checkpoint_that_does_not_fit_the_plain_model_is_refused_befor
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt = Checkpointer(run, model=model, optimizer=optimizer, every=2, keep=2, deadline=None)
+    report = ckpt.verify()  # restore's verdict, from the shards' headers: none fits
 
     with pytest.raises(CheckpointError, match="fits the objects given") as raised:
         ckpt.restore()
 
     ckpt.close()
+    assert report.summary == "OK 0/2, errors 2"
+    for result in report.results:
+        assert "model.0.weight is [32, 16] float32 in the checkpoint, [24, 16] float32 here" in (
+            result.problem
+        )
     assert "model.0.weight is [32, 16] float32 in the checkpoint, [24, 16] float32 here" in str(
         raised.value
     )

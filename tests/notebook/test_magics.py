@@ -202,6 +202,32 @@ def test_status_verify_and_save(
     assert loaded.tensors["model"]["w"].tolist() == [30.0, 30.0, 30.0]
 
 
+def test_verify_of_the_live_checkpointer_says_whether_each_checkpoint_fits_its_objects(
+    ipshell: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ipshell.run_line_magic("load_ext", "nbresume")
+    init(ipshell, tmp_path / "run")
+    cell = """
+import torch
+model = torch.nn.Linear(4, 2)
+ckpt = run.checkpointer(model=model, every=None, async_save=False)
+ckpt.save(5)
+"""
+    assert run_cell(ipshell, cell).success
+    capsys.readouterr()
+    ipshell.run_line_magic("nbresume", "verify")
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "OK 1/1, errors 0"
+    # The model made wider in place: its checkpoint is still whole, and a restore into it
+    # would pass the checkpoint over. So does the verify of its Checkpointer.
+    assert run_cell(ipshell, "model.weight = torch.nn.Parameter(torch.zeros(3, 4))").success
+    ipshell.run_line_magic("nbresume", "verify")
+    out = capsys.readouterr().out
+    (failed,) = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert failed.startswith("FAIL  000000000005 "), out
+    assert "model.weight is [2, 4] float32 in the checkpoint, [3, 4] float32 here" in failed
+    assert out.strip().splitlines()[-1] == "OK 0/1, errors 1"
+
+
 def test_unknown_commands_are_usage_errors(
     ipshell: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

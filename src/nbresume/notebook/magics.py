@@ -1,7 +1,9 @@
 """``%nbresume doctor|status|verify|save`` and ``%%nbresume once NAME``.
 
 One magic name with subcommands, like a command line. ``doctor`` and ``verify`` run the very
-code of ``nbresume doctor`` and ``nbresume verify``, so they print the same report. ``once``
+code of ``nbresume doctor`` and ``nbresume verify``, so they print the same report (``verify``
+of the live Checkpointer's folder is its ``verify()``: whether each checkpoint fits its objects
+too, as a restore would judge it). ``once
 skips a cell that already completed in the run of the last ``nbresume.init`` (its marker is in
 the run's durable folder; see :mod:`nbresume.notebook.once`), so "Run all" after a reconnect
 does not redo an hour of preprocessing.
@@ -19,7 +21,7 @@ from urllib.parse import urlsplit
 
 from IPython.core.error import UsageError
 
-from nbresume.checkpoint.loop import confirm
+from nbresume.checkpoint.loop import Checkpointer, confirm
 from nbresume.checkpoint.units import format_bytes, format_duration
 from nbresume.errors import NbresumeError
 from nbresume.notebook import once as markers
@@ -124,7 +126,9 @@ def _safe_to_close(ckpt: RunningLoop) -> str:
 
 
 def verify(args: list[str]) -> None:
-    """``nbresume verify`` on the run's folder (after the save in flight, if any)."""
+    """``nbresume verify`` on the run's folder (after the save in flight, if any); on the
+    live Checkpointer's own folder, its :meth:`~nbresume.Checkpointer.verify`, which also
+    says whether each checkpoint fits its objects, as a restore would."""
     if len(args) > 1:
         raise UsageError("%nbresume verify [DIR]")
     state = _state()
@@ -136,6 +140,11 @@ def verify(args: list[str]) -> None:
     else:
         folder = _run_folder("%nbresume verify")
     if ckpt is not None and str(ckpt.store.location) == folder:
+        if isinstance(ckpt, Checkpointer):  # it has the objects: restore's verdict too
+            from nbresume.cli import print_verify_report
+
+            print_verify_report(ckpt.verify())  # after the save in flight
+            return
         ckpt.wait()  # a save in flight is part of what the user asks about
     _cli_or_fail(["verify", folder])
 

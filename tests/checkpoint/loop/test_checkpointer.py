@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import nbresume
-from nbresume import Checkpointer, Event
+from nbresume import Checkpointer, CheckpointStore, Event
 from nbresume.errors import CheckpointError, NoCheckpointError, UsageError
 from testkit.stateful import QUIET, Counter
 
@@ -95,6 +95,55 @@ def test_a_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path: Path) -
     with pytest.warns(RuntimeWarning, match="000000000004"):
         assert fresh.restore() == 2
     assert counter.count == 2
+
+
+def test_verify_fails_a_checkpoint_that_does_not_fit_the_objects_as_restore_does(
+    tmp_path: Path,
+) -> None:
+    # Step 1 of the model given, step 2 of a wider one: both whole.
+    for step, width in ((1, 2), (2, 3)):
+        saving = Checkpointer(tmp_path / "run", model=nn.Linear(4, width), **QUIET)
+        saving.save(step=step)
+        saving.close()
+    ckpt = Checkpointer(tmp_path / "run", model=nn.Linear(4, 2), **QUIET)
+    assert CheckpointStore(tmp_path / "run").verify().ok  # whole, as every reader judges it
+    report = ckpt.verify()
+    assert not report.ok
+    assert report.summary == "OK 1/2, errors 1"
+    fits, misfit = sorted(report.results, key=lambda r: r.step)
+    assert (fits.step, fits.ok, misfit.step, misfit.ok) == (1, True, 2, False)
+    assert "does not fit the objects given: model.weight is [3, 4] float32 in the checkpoint" in (
+        misfit.problem
+    )
+    assert "Fix: build the model and optimizer exactly as in the run" in misfit.problem
+    assert str(misfit).startswith("FAIL  000000000002 ")
+    with pytest.warns(RuntimeWarning, match="000000000002") as caught:
+        assert ckpt.restore() == 1  # the same verdict: passed over, for the same reason
+    assert any("model.weight is [3, 4]" in str(w.message) for w in caught)
+    ckpt.close()
+    wider = Checkpointer(tmp_path / "run", model=nn.Linear(4, 3), **QUIET)
+    assert [r.ok for r in sorted(wider.verify().results, key=lambda r: r.step)] == [False, True]
+    wider.close()
+
+
+def test_verify_without_objects_checks_wholeness_only(tmp_path: Path) -> None:
+    saving = Checkpointer(tmp_path / "run", model=nn.Linear(4, 2), **QUIET)
+    saving.save(step=1)
+    saving.close()
+    ckpt = Checkpointer(tmp_path / "run", **QUIET)
+    ckpt["note"] = "a plain value"  # a value is no object to fit
+    report = ckpt.verify()
+    assert report.ok
+    assert report.summary == "OK 1/1, errors 0"
+    weights = tmp_path / "run" / "000000000001" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1
+    weights.write_bytes(raw)
+    (damaged,) = ckpt.verify().results
+    assert not damaged.ok
+    assert "mismatch" in damaged.problem
+    assert damaged == CheckpointStore(tmp_path / "run").verify().results[0]
+    ckpt.close()
 
 
 def test_an_uncommitted_folder_is_not_a_checkpoint() -> None:

@@ -706,9 +706,18 @@ class Checkpointer(ControlledLoop):
 
     def verify(self) -> VerifyReport:
         """Read back every checkpoint and compare it with its manifest (waits for a save in
-        flight first)."""
+        flight first); then check each whole one against the registered objects as
+        :meth:`restore` checks it before it reads a tensor (names, shapes, dtypes, from the
+        tensor files' headers). One that does not fit fails with the reason restore would
+        pass it over for, and its fix. Without registered objects, only wholeness is checked
+        (as ``nbresume verify`` checks it)."""
         self.wait()
-        return self.store.verify()
+        if not self._objects:
+            return self.store.verify()
+        # The restore's own strategy, or the one it would choose now (not kept: the first
+        # save or restore chooses, once the job and the sharding are set up).
+        strategy = self._chosen or choose(self._host)
+        return self.store.verify(fits=strategy.check_fits)
 
     def close(self) -> None:
         """Finish the save in flight and raise its error, if any; wait until the checkpoints

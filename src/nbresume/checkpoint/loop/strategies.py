@@ -179,14 +179,21 @@ class Strategy:
 
         def fits(heads: LoadedCheckpoint) -> None:
             try:
-                restoring.check_fits(heads, self.host.objects)
-                if self.gathers and heads.state is not None and heads.state.sharded:
-                    Gather(heads, self.host.objects).undo()  # the sharded objects fit too
+                self.check_fits(heads)
             except DoesNotFit as exc:
                 misfits.append(exc)
                 raise
 
         return fits
+
+    def check_fits(self, heads: LoadedCheckpoint) -> None:
+        """Raise :class:`DoesNotFit` when the checkpoint ``heads`` describes (its tensors as
+        their files' headers declare them: no bytes) cannot be put into the live objects the
+        way this strategy restores; change nothing. What a restore passes over as not
+        fitting before it reads a tensor, and what ``Checkpointer.verify()`` reports."""
+        restoring.check_fits(heads, self.host.objects)
+        if self.gathers and heads.state is not None and heads.state.sharded:
+            Gather(heads, self.host.objects).undo()  # the sharded objects fit too
 
     def _plan(self, loaded: LoadedCheckpoint) -> restoring.RestorePlan:
         return restoring.plan(
@@ -377,10 +384,27 @@ class Sharded(Strategy):
 
     def _prepare(self, loaded: LoadedCheckpoint) -> tuple[restoring.RestorePlan, Gather | None]:
         plan, _ = super()._prepare(loaded)
-        sharded = self.host.sharded_objects()
-        plain = [n for n in plan.saved.sharded if n in self.host.objects and n not in sharded]
-        if plain:
+        try:
+            self._check_sharded_here(loaded, plan.saved.sharded)
+        except DoesNotFit:
             optimizer_extras.shrink_groups(plan.grown)
+            raise
+        return plan, None
+
+    def check_fits(self, heads: LoadedCheckpoint) -> None:
+        super().check_fits(heads)
+        assert heads.state is not None  # else the check above raised
+        self._check_sharded_here(heads, heads.state.sharded)
+        # The sharded objects against the metadata's names, global sizes and dtypes, as a
+        # gathering restore checks them (here a restore's DCP load refuses what differs).
+        Gather(heads, self.host.sharded_objects()).undo()
+
+    def _check_sharded_here(self, loaded: LoadedCheckpoint, saved_sharded: Sequence[str]) -> None:
+        """Refuse a checkpoint that holds an object sharded which is here a plain object
+        while other objects are sharded: its shards would have nowhere to go."""
+        sharded = self.host.sharded_objects()
+        plain = [n for n in saved_sharded if n in self.host.objects and n not in sharded]
+        if plain:
             raise DoesNotFit(
                 f"the checkpoint of step {loaded.step} holds {plain[0]!r} sharded, and here it "
                 "is not sharded while other objects are",
@@ -390,7 +414,6 @@ class Sharded(Strategy):
                 step=loaded.step,
                 differences=[f"{plain[0]} is sharded in the checkpoint, not here"],
             )
-        return plan, None
 
     def save(
         self, step: int, epoch: int, metrics: dict[str, float], *, background: bool

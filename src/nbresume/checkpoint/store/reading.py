@@ -26,6 +26,7 @@ The protocol of a read (every function below keeps it):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import json
@@ -77,6 +78,7 @@ from nbresume.checkpoint.store.verdict import check_checkpoint, check_loaded
 from nbresume.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    MemoryLimitError,
     NoCheckpointError,
     StorageError,
 )
@@ -691,11 +693,7 @@ def _load_folder(
     files = manifest.files
     if fits is not None:  # the JSON files are read and verified first, then the headers
         tensors = {n: e for n, e in files.items() if n.endswith(".safetensors")}
-        heads = LoadedCheckpoint(step, store.child(name), manifest)
-        buffers = read_verified(store, name, {n: e for n, e in files.items() if n not in tensors})
-        buffers.update({n: read_specs(store, name, n, e) for n, e in tensors.items()})
-        decode_files(store, name, buffers, heads, framework)
-        check_loaded(heads)  # complete and consistent, before a byte of a tensor is read
+        heads, buffers = _read_heads(store, step, name, manifest, framework)
         try:
             fits(heads)
         except CorruptCheckpointError:
@@ -726,6 +724,45 @@ def _load_folder(
     if fits is None:
         check_loaded(loaded)
     return loaded
+
+
+def _read_heads(
+    store: Backend, step: int, name: str, manifest: Manifest, framework: str
+) -> tuple[LoadedCheckpoint, dict[str, Any]]:
+    """The checkpoint ``name`` as its headers describe it: its JSON files read and verified,
+    each tensor a :class:`~nbresume.checkpoint.format.TensorSpec` of its file's header (no
+    tensor bytes read), checked complete and consistent; and the buffers read (the JSON
+    files' bytes, the tensor files' :class:`SpecsOnly`)."""
+    files = manifest.files
+    tensors = {n: e for n, e in files.items() if n.endswith(".safetensors")}
+    heads = LoadedCheckpoint(step, store.child(name), manifest)
+    buffers = read_verified(store, name, {n: e for n, e in files.items() if n not in tensors})
+    buffers.update({n: read_specs(store, name, n, e) for n, e in tensors.items()})
+    decode_files(store, name, buffers, heads, framework)
+    check_loaded(heads)  # complete and consistent, before a byte of a tensor is read
+    return heads, buffers
+
+
+def verify_fit(
+    store: Backend, result: VerifyResult, fits: Callable[[LoadedCheckpoint], None]
+) -> VerifyResult:
+    """``result`` (a checkpoint that verified), failed when ``fits`` refuses the checkpoint as
+    its headers describe it: the check a load's ``fits`` makes (:func:`load_folder`), from the
+    same headers, so that a verification with the objects gives a restore's verdict without
+    reading a tensor or taking memory for one."""
+    try:
+        manifest = read_manifest(store, result.name, result.step)
+        fits(_read_heads(store, result.step, result.name, manifest, "torch")[0])
+    except (MemoryLimitError, StorageError):
+        raise  # memory or the store failed: not the checkpoint
+    except CheckpointError as exc:  # it does not fit (or, read again, no longer verifies)
+        return dataclasses.replace(result, ok=False, problem=str(exc))
+    except (MemoryError, RuntimeError, OSError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        where = store.child(result.name)
+        raise memory_error(exc, doing="reading the checkpoint", where=where) from None
+    return result
 
 
 def read_specs(store: Backend, name: str, file_name: str, entry: FileEntry) -> SpecsOnly:

@@ -59,7 +59,7 @@ from nbresume.checkpoint.store.info import (
     VerifyResult,
 )
 from nbresume.checkpoint.store.pending import PendingCheckpoint, encode, size_of
-from nbresume.checkpoint.store.reading import verify_folder
+from nbresume.checkpoint.store.reading import verify_fit, verify_folder
 from nbresume.checkpoint.store.retention import KeepBest, KeepPolicy
 from nbresume.checkpoint.store.streaming import Span
 from nbresume.checkpoint.units import format_bytes
@@ -245,14 +245,26 @@ class CheckpointStore:
         infos = self.list()
         return infos[-1] if infos else None
 
-    def verify(self, step: int | None = None) -> VerifyReport:
-        """Read back every checkpoint (or the one of ``step``) and compare it with its manifest."""
+    def verify(
+        self,
+        step: int | None = None,
+        *,
+        fits: Callable[[LoadedCheckpoint], None] | None = None,
+    ) -> VerifyReport:
+        """Read back every checkpoint (or the one of ``step``) and compare it with its manifest.
+
+        ``fits`` is then called with each checkpoint that verified as its tensor files'
+        headers describe it, as :meth:`load`'s ``fits`` is (no tensor is read): a
+        :class:`CheckpointError` it raises (the checkpoint does not fit the objects it is
+        for) fails the checkpoint with that error's text, as a restore passes it over."""
         results, uncommitted, removed = [], [], []
         for found_step, name in reversed(self.checkpoint_folders()):
             if step is not None and found_step != step:
                 continue
             if self.has_manifest(name):
                 result = verify_folder(self.backend, name)
+                if result.ok and fits is not None:
+                    result = verify_fit(self.backend, result, fits)
                 if not result.ok and not self.has_manifest(name):
                     # A running writer's retention deleted it while it was read (a reader
                     # takes no lease): the checkpoint is gone, not damaged.
