@@ -139,8 +139,8 @@ def run(op: str, arg: str) -> dict[str, Any]:
 
 
 def status(field: str) -> int:
-    """A size from ``/proc/self/status`` (``VmSize``: address space; ``VmRSS``: resident), in
-    bytes."""
+    """A size from ``/proc/self/status`` (``VmSize``: address space; ``VmRSS``: resident;
+    ``VmHWM``: the most resident), in bytes."""
     with open("/proc/self/status") as lines:
         for line in lines:
             if line.startswith(field + ":"):
@@ -164,7 +164,9 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     args = sys.argv[2:]
     reports = [run(op, arg) for op, arg in zip(args[::2], args[1::2], strict=True)]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # The high-water mark of this process's own memory: ru_maxrss would start at the peak of
+    # the process that started it (exec keeps it, and a vfork'ed child's is its parent's).
+    peak = status("VmHWM")
     print(json.dumps({"reports": reports, "peak": peak, "imports": imports}))
 
 
