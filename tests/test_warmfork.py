@@ -98,17 +98,22 @@ def test_signals_the_test_process_ignores_stay_ignored_in_the_child(tmp_path: Pa
     assert warm["handlers"]["SIGINT"] == str(int(signal.SIG_IGN))  # type: ignore[index]
 
 
-def test_exit_statuses_are_those_of_a_real_process(tmp_path: Path) -> None:
+def test_exit_statuses_and_what_atexit_sees_are_those_of_a_real_process(tmp_path: Path) -> None:
+    # atexit's functions run, and see the exception that ended the script in sys.last_value
+    # (nbresume's own tells a script that ended by an error from one that finished).
+    at_exit = "import atexit, sys; atexit.register(lambda: print(repr(sys.last_value)))\n"
     for code, expected in [
-        ("pass", 0),
+        ("sys.last_value = None", 0),
         ("raise SystemExit(7)", 7),
         ("raise ValueError('bad shape')", 1),
         ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
         ("raise KeyboardInterrupt", -signal.SIGINT),
     ]:
-        fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        warm = warmfork.run([sys.executable, "-c", code], capture_output=True, text=True)
+        argv = [sys.executable, "-c", at_exit + code]
+        fresh = subprocess.run(argv, capture_output=True, text=True)
+        warm = warmfork.run(argv, capture_output=True, text=True)
         assert (warm.returncode, fresh.returncode) == (expected, expected), code
+        assert warm.stdout == fresh.stdout, code
         assert warm.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:], code
 
 

@@ -43,10 +43,12 @@ import locale
 import os
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -272,16 +274,28 @@ def _run_main(argv: list[str], path: list[str]) -> int:
     except SystemExit as stop:
         code = _exit_code(stop)
     except KeyboardInterrupt as interrupt:
-        sys.excepthook(type(interrupt), interrupt, interrupt.__traceback__)
+        _print_uncaught(interrupt)
         _finish()
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # ended by SIGINT, as the interpreter is
         os.kill(os.getpid(), signal.SIGINT)
         code = 130
     except BaseException as error:
-        tb = error.__traceback__
-        sys.excepthook(type(error), error, tb.tb_next if tb is not None else None)
+        _print_uncaught(error)
         code = 1
     return _finish(code)
+
+
+def _print_uncaught(error: BaseException) -> None:
+    """What the interpreter does with an exception that ends the script: note it in
+    ``sys.last_*`` (atexit's functions read it there) and hand it to ``sys.excepthook``,
+    without this module's frame."""
+    tb = error.__traceback__
+    tb = tb.tb_next if tb is not None else None
+    error.__traceback__ = tb
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, tb
+    if sys.version_info >= (3, 12):
+        sys.last_exc = error
+    sys.excepthook(type(error), error, tb)
 
 
 def _exit_code(stop: SystemExit) -> int:
@@ -325,6 +339,10 @@ class _Server:
         self.channel = ours
         env = {k: v for k, v in os.environ.items() if not _read_at_start(k)}
         env = with_testkit({**env, **at_start})
+        # What the imports leave in the temporary folder (torch._dynamo makes its cache's
+        # folder there) goes into a folder of the server's own, removed when it ends.
+        self.scratch = tempfile.mkdtemp(prefix="nbresume-warmfork-")
+        env["TMPDIR"] = self.scratch
         self.pythonpath = [p for p in env["PYTHONPATH"].split(os.pathsep) if p]
         code = f"from testkit.warmfork import serve; serve({theirs.fileno()})"
         self.process = subprocess.Popen(
@@ -357,6 +375,7 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _read_at_start(name: str) -> bool:
