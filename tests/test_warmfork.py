@@ -160,5 +160,5 @@ def test_what_a_fork_cannot_give_is_refused(tmp_path: Path) -> None:
         warmfork.popen([sys.executable, "-X", "dev", "-c", "pass"])
     (tmp_path / "numpy").mkdir()  # a stand-in the server's own numpy would hide
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    with pytest.raises(ValueError, match="already imported"):
+    with pytest.raises(ValueError, match="the server has imported"):
         warmfork.popen([sys.executable, "-c", "import numpy"], env=env)
