@@ -74,6 +74,7 @@ def serve(channel_fd: int) -> None:
     the request's JSON line, then the answers ``{"pid": P}`` and ``{"exit": CODE}``), its
     stdin, stdout and stderr. The server ends when the channel closes, killing the process
     groups of children still running."""
+    scratch = os.environ["TMPDIR"]  # the server's own (see _Server): removed when it ends
     # torch must not start CUDA's driver here: a child forked after that could not use it.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     import numpy  # noqa: F401
@@ -99,10 +100,11 @@ def serve(channel_fd: int) -> None:
         for key, _ in selector.select():
             if key.fileobj is channel:
                 message, fds, _, _ = socket.recv_fds(channel, 1, 4)
-                if not message:
+                if not message:  # the test process has ended or closed it
                     for pid in children:
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(pid, signal.SIGKILL)
+                    shutil.rmtree(scratch, ignore_errors=True)
                     return
                 control = socket.socket(fileno=fds[0])
                 request = json.loads(control.makefile("rb").readline())
