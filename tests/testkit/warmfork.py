@@ -8,8 +8,8 @@ does anything: ``import torch``, then ``torch._dynamo``, which the first optimiz
 server that has imported torch, torch._dynamo, numpy and nbresume once, and is then made what a
 fresh interpreter would be:
 
-- its own process group (as with ``start_new_session=True``: ``os.killpg(proc.pid, ...)``
-  reaches it and what it starts), the real pid in ``proc.pid``, its exit status as
+- its own session and process group (as with ``start_new_session=True``: ``os.killpg(proc.pid,
+  ...)`` reaches it and what it starts), the real pid in ``proc.pid``, its exit status as
   ``subprocess`` reports it (``-9`` for a SIGKILL);
 - the command's argv, cwd, environment, umask and standard streams (``PIPE``, a file, or the
   test's own), ``sys.path`` as the interpreter would build it from the script's folder and
@@ -150,7 +150,7 @@ def _child(request: dict[str, Any], fds: list[int], close: list[int], site: list
     and end as the interpreter would. Never returns."""
     code = 1
     try:
-        os.setpgid(0, 0)
+        os.setsid()
         signal.set_wakeup_fd(-1)
         for target, fd in enumerate(fds[1:]):
             os.dup2(fd, target, inheritable=True)
