@@ -475,6 +475,8 @@ class WarmProcess:
             os.close(fd)
         self._control = ours
         self._received = b""
+        self._readers: list[threading.Thread] | None = None
+        self._read: dict[str, Any] = {}
         self.pid: int = json.loads(self._answer(None) or b"")["pid"]
         for name, fd in mine.items():
             mode = "w" if name == "stdin" else "r"
@@ -513,6 +515,32 @@ class WarmProcess:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
             self.returncode = int(json.loads(line)["exit"])
         return self.returncode
+
+    def communicate(
+        self, input: str | bytes | None = None, timeout: float | None = None
+    ) -> tuple[Any, Any]:
+        """Feed ``input`` to stdin, read stdout and stderr to their end, wait for the exit:
+        (stdout, stderr), each None where it is not a pipe (as ``Popen.communicate``)."""
+        if self._readers is None:
+            self._readers = [
+                threading.Thread(target=self._read_all, args=(name,), daemon=True)
+                for name in ("stdout", "stderr")
+                if getattr(self, name) is not None
+            ]
+            for reader in self._readers:
+                reader.start()
+            if self.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    if input:
+                        self.stdin.write(input)
+                    self.stdin.close()
+        self.wait(timeout)
+        for reader in self._readers:
+            reader.join()
+        return self._read.get("stdout"), self._read.get("stderr")
+
+    def _read_all(self, name: str) -> None:
+        self._read[name] = getattr(self, name).read()
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
@@ -616,38 +644,18 @@ def run(
         cwd=cwd,
         env=env,
     )
-    results: dict[str, Any] = {}
-
-    def read(name: str) -> None:
-        stream = getattr(proc, name)
-        results[name] = stream.read()
-
-    readers = [
-        threading.Thread(target=read, args=(name,), daemon=True)
-        for name in ("stdout", "stderr")
-        if getattr(proc, name) is not None
-    ]
-    for reader in readers:
-        reader.start()
     try:
-        if proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.write(input)
-                proc.stdin.close()
         try:
-            code = proc.wait(timeout)
+            out, err = proc.communicate(input, timeout)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
-        for reader in readers:
-            reader.join()
+        code = proc.wait()
     finally:
         proc.close()
-    done = subprocess.CompletedProcess(
-        proc.args, code, results.get("stdout"), results.get("stderr")
-    )
+    done = subprocess.CompletedProcess(proc.args, code, out, err)
     if check:
         done.check_returncode()
     return done
