@@ -120,7 +120,9 @@ def train(
 
 
 def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    os.setpgid(0, 0)  # the trainer, its workers and the fork server: one group to clean up
+    # The trainer leads a process group (and session) of its own, as the warm server starts
+    # it: its workers and the fork server are in it, one group to clean up.
+    assert os.getpgid(0) == os.getpid()
     return train(
         Path(command["folder"]),
         command["start_method"],
