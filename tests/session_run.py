@@ -8,9 +8,10 @@ stderr open: ``subprocess.run(capture_output=True)`` then waits for their end un
 timeout. Seen once in the Lightning kill test (SIGKILL 11 ms into a save at an epoch's end,
 as the next epoch forked its workers; the worker was found alive 18 minutes later).
 
-:func:`run_in_session` runs the command in a session of its own, its output in files, and
-once it has ended, ends the DataLoader workers left in its session. Any other process left
-there fails the run: only that upstream race is recognised.
+:func:`run_in_session` runs the command (a Python one, forked from the suite's warm server:
+``testkit.warmfork``) in a session of its own, its output in files, and once it has ended,
+ends the DataLoader workers left in its session. Any other process left there fails the run:
+only that upstream race is recognised.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+
+from testkit import warmfork
 
 #: The name torch gives its DataLoader worker processes.
 WORKER_NAME = "pt_data_worker"
@@ -35,15 +38,15 @@ def run_in_session(
     leftover process is killed too and raises ``AssertionError``."""
     out_path, err_path = output.with_suffix(".out"), output.with_suffix(".err")
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        process = subprocess.Popen(
-            list(command), env=env, stdout=out, stderr=err, start_new_session=True
-        )
+        process = warmfork.popen(list(command), env=env, stdout=out, stderr=err)
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_session(process.pid)
             process.wait()
             raise
+        finally:
+            process.close()
     left = _kill_session(process.pid)
     strangers = [f"{pid} ({name})" for pid, name in left if name != WORKER_NAME]
     assert not strangers, f"{command[:2]} left processes behind: {', '.join(strangers)}"

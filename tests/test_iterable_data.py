@@ -249,7 +249,7 @@ def test_a_run_stopped_twice_mid_epoch_resumes_bit_identically(
 
 
 class IterableRuns(Zygote):
-    """``train_iterable.py serve``: forks one training process per run, torch imported once.
+    """``train_iterable.py``: one training process per run, torch imported once.
     Runs are real processes; a kill is a real SIGKILL of the trainer."""
 
     def __init__(self, workdir: Path) -> None:

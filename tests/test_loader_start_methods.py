@@ -93,7 +93,7 @@ def leftovers(pgid: int) -> dict[int, str]:
 
 
 class WorkerRuns(Zygote):
-    """``train_loader_workers.py serve``: one training process per run, torch imported once;
+    """``train_loader_workers.py``: one training process per run, torch imported once;
     a kill is a real SIGKILL of the trainer."""
 
     def __init__(self, workdir: Path) -> None:

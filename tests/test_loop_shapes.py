@@ -90,7 +90,7 @@ def test_every_loop_shape_saves_on_the_cadence(tmp_path: Path, shape: str) -> No
 
 
 class ShapeRuns(Zygote):
-    """``train_loop_shapes.py serve``: forks one training process per run, torch imported
+    """``train_loop_shapes.py``: one training process per run, torch imported
     once. Runs are real processes; a kill is a real SIGKILL."""
 
     def __init__(self, workdir: Path) -> None:

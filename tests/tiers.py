@@ -54,6 +54,7 @@ STARTS_A_PROCESS = frozenset(
         "popen",
         "pexpect",
         "torchrun",
+        "warmfork",  # testkit.warmfork: a child forked from the suite's warm server
     }
 )
 

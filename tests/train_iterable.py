@@ -9,11 +9,9 @@ iterated inside ``ckpt.epochs()``) or ``"steps"`` (``ckpt.steps()`` with ``.batc
 each save committed before the next step starts (a kill lands between saves: the step a
 killed run resumes from is known).
 
-Run as a script (``python train_iterable.py serve``) it is a zygote, as
-``train_loop_shapes.py`` is: it imports torch once, then reads one JSON command per line on
-stdin and runs each in a forked child whose stdout goes to a log file (``start S``, ``step N``
-after every update, ``done N`` at the end). It answers ``pid P`` when the child starts and
-``exit P STATUS`` when it ended (STATUS negative: killed by that signal).
+Run as a script (``python train_iterable.py COMMAND_JSON``, as ``train_loop_shapes.py`` is)
+it runs one command with its output appended to a log file (``start S``, ``step N`` after
+every update, ``done N`` at the end).
 """
 
 from __future__ import annotations
@@ -138,4 +136,4 @@ def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    zygote.serve(lambda command: zygote.run_logged(command, _train))
+    zygote.main(lambda command: zygote.run_logged(command, _train))

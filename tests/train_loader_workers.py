@@ -12,11 +12,9 @@ Under spawn and forkserver a worker is a new interpreter: it unpickles the datas
 ``worker_init_fn``, so both are defined at the top of this module, which the worker imports
 again (as ``__mp_main__``) when this file is the program being run.
 
-Run as ``python train_loader_workers.py serve`` it is a zygote, as ``train_loop_shapes.py``
-is: torch imported once, one JSON command per line on stdin, each run in a forked child (in a
-process group of its own) whose output goes to a log file: ``start S``, ``worker fresh=F
-parent=P`` from each worker, ``step N``, ``done N``. It answers ``pid P`` when the child
-starts and ``exit P STATUS`` when it ended.
+Run as ``python train_loader_workers.py COMMAND_JSON``, as ``train_loop_shapes.py`` is, it
+runs one command (in a process group of its own) with its output appended to a log file:
+``start S``, ``worker fresh=F parent=P`` from each worker, ``step N``, ``done N``.
 """
 
 from __future__ import annotations
@@ -122,7 +120,9 @@ def train(
 
 
 def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    os.setpgid(0, 0)  # the trainer, its workers and the fork server: one group to clean up
+    # The trainer leads a process group (and session) of its own, as the warm server starts
+    # it: its workers and the fork server are in it, one group to clean up.
+    assert os.getpgid(0) == os.getpid()
     return train(
         Path(command["folder"]),
         command["start_method"],
@@ -132,4 +132,4 @@ def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    zygote.serve(lambda command: zygote.run_logged(command, _train))
+    zygote.main(lambda command: zygote.run_logged(command, _train))

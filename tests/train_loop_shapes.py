@@ -8,12 +8,11 @@ With ``device`` (the GPU tests: ``tests/gpu/``) the same loop trains the way GPU
 written: the model on that device, the batches moved there with ``non_blocking=True``, noise
 drawn on the device in the loss, and ``deterministic=True``.
 
-Run as a script (``python train_loop_shapes.py serve``) it is a zygote: it imports torch once,
-then reads one JSON command per line on stdin and runs each in a forked child whose stdout
-goes to a log file: ``start S`` (the step it resumed from), ``step N`` after every update,
-``verified N`` when a checkpoint verified, ``done N`` at the end. It answers ``pid P`` when
-the child starts and ``exit P STATUS`` when it ended (STATUS negative: killed by that signal),
-so that a test can SIGKILL real training processes without paying torch's import each time.
+Run as a script (``python train_loop_shapes.py COMMAND_JSON``, forked from the suite's warm
+server by ``zygote.Zygote``, so that a test can SIGKILL real training processes without paying
+torch's import each time) it runs one command with its output appended to a log file:
+``start S`` (the step it resumed from), ``step N`` after every update, ``verified N`` when a
+checkpoint verified, ``done N`` at the end.
 """
 
 from __future__ import annotations
@@ -191,4 +190,4 @@ def _train(command: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    zygote.serve(lambda command: zygote.run_logged(command, _train))
+    zygote.main(lambda command: zygote.run_logged(command, _train))

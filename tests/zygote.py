@@ -1,15 +1,14 @@
-"""Training runs forked from one warm process, so that a test can SIGKILL real training
-processes without paying torch's import for each of them.
+"""Training runs a test can SIGKILL, forked from the suite's warm server (``testkit.warmfork``)
+so that none pays torch's import.
 
 Both sides of it live here:
 
-- in a training script (``train_loop_shapes.py``, ``train_iterable.py``, ...), :func:`serve`
-  reads one JSON command a line from stdin, forks a child for it, and prints ``pid P`` when
-  the child starts and ``exit P STATUS`` when it ends (``-9`` for a SIGKILL); the child runs
-  :func:`run_logged`, which trains with its output appended to the command's log and saves
-  the final tensors to the command's ``out``;
-- in a test, :class:`Zygote` starts such a script, sends it commands, and kills a run once its
-  log shows a condition.
+- in a training script (``train_loop_shapes.py``, ``train_iterable.py``, ...), :func:`main`
+  runs the JSON command given as the script's argument with :func:`run_logged`, which trains
+  with its output appended to the command's log and saves the final tensors to the command's
+  ``out``;
+- in a test, :class:`Zygote` runs such a script for each command and kills a run once its log
+  shows a condition.
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from testkit import warmfork
 
 Tensors = dict[str, torch.Tensor]
 
@@ -51,24 +52,10 @@ def run_logged(command: Mapping[str, Any], train: Callable[[Mapping[str, Any]], 
     return 0
 
 
-def serve(child: Callable[[dict[str, Any]], int], *, warm_torch: bool = True) -> None:
-    """The zygote: fork ``child(command)`` for each command read from stdin, one at a time.
-    With ``warm_torch``, what every run would import on its own (an optimizer imports
-    torch._dynamo) is imported here first, without starting a thread; a zygote that must not
-    start CUDA (a child forked after that could not use it) passes ``False``."""
-    if warm_torch:
-        torch.set_num_threads(1)
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    for line in sys.stdin:
-        command = json.loads(line)
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            os._exit(child(command))
-        print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print(f"exit {pid} {code}", flush=True)
+def main(child: Callable[[dict[str, Any]], int]) -> None:
+    """A training script's entry point: ``python SCRIPT COMMAND_JSON`` exits with
+    ``child(command)``."""
+    sys.exit(child(json.loads(sys.argv[1])))
 
 
 def steps(text: str) -> list[int]:
@@ -86,19 +73,15 @@ CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 class Zygote:
-    """``script serve`` as a test's server of training runs (see the module's docstring).
-    Runs write their logs and results in ``workdir``, which is also their ``TMPDIR``: what a
-    killed run's DataLoader workers leave (multiprocessing's folders) stays there."""
+    """A test's runs of ``script`` (see the module's docstring), each its own process forked
+    from the warm server. Runs write their logs and results in ``workdir``, which is also
+    their ``TMPDIR``: what a killed run's DataLoader workers leave (multiprocessing's folders)
+    stays there."""
 
     def __init__(self, workdir: Path, script: Path) -> None:
         self.workdir = workdir
-        self.proc = subprocess.Popen(
-            [sys.executable, str(script), "serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**CHILD_ENV, "TMPDIR": str(workdir)},
-        )
+        self.script = script
+        self.running: dict[int, warmfork.WarmProcess] = {}
         self.runs = 0
 
     def run(
@@ -128,23 +111,26 @@ class Zygote:
         return status, log.read_text()
 
     def start(self, command: Mapping[str, Any], *, pause: float) -> tuple[int, Path]:
-        """Send ``command``; the run's pid and its log."""
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
+        """Start a run of ``command``; its pid and its log."""
         self.runs += 1
         log = self.workdir / f"run-{self.runs}.log"
         out = self.workdir / f"final-{self.runs}.pt"
         full = {**command, "log": str(log), "out": str(out), "pause": pause}
-        self.proc.stdin.write(json.dumps(full) + "\n")
-        self.proc.stdin.flush()
-        return int(self.proc.stdout.readline().split()[1]), log
+        proc = warmfork.popen(
+            [sys.executable, str(self.script), json.dumps(full)],
+            stdin=subprocess.DEVNULL,
+            env={**CHILD_ENV, "TMPDIR": str(self.workdir)},
+        )
+        self.running[proc.pid] = proc
+        return proc.pid, log
 
     def wait(self, pid: int) -> int:
         """The exit status of run ``pid`` (``-9`` where it was killed)."""
-        assert self.proc.stdout is not None
-        _, reported_pid, status = self.proc.stdout.readline().split()
-        assert int(reported_pid) == pid
-        return int(status)
+        proc = self.running.pop(pid)
+        try:
+            return proc.wait()
+        finally:
+            proc.close()
 
     def ended(self, pid: int) -> None:
         """Called once run ``pid`` has ended or failed: what a subclass cleans up after it."""
@@ -155,6 +141,8 @@ class Zygote:
         return tensors
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        """End the runs still going (a test that failed in the middle of one)."""
+        for proc in self.running.values():
+            proc.kill()
+            proc.close()
+        self.running.clear()

@@ -28,6 +28,7 @@ from nbresume.checkpoint.backends import DELETING_PREFIX, REPLACED_PREFIX
 from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX, parse_step_dirname
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import NoCheckpointError
+from testkit import warmfork
 
 from .saver import state_mismatch
 
@@ -75,24 +76,24 @@ class Run:
         return kind, rest
 
 
-def spawn(root: Path, keep: int, *options: str, stderr_to: Path) -> subprocess.Popen[str]:
+def spawn(root: Path, keep: int, *options: str, stderr_to: Path) -> warmfork.WarmProcess:
+    """Start the saver, forked from the suite's warm server (no torch import to pay)."""
     with open(stderr_to, "w") as err:
-        return subprocess.Popen(
+        return warmfork.popen(
             [sys.executable, str(SAVER), str(root), "--keep", str(keep), *options],
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
-            bufsize=1,
             env=CHILD_ENV,
         )
 
 
-def finish(proc: subprocess.Popen[str], run: Run, starts: dict[int, float], err: Path) -> Run:
+def finish(proc: warmfork.WarmProcess, run: Run, starts: dict[int, float], err: Path) -> Run:
     """Collect what the child printed after the parent stopped listening, and its status."""
     assert proc.stdout is not None
     rest = proc.stdout.read()
     proc.wait()
-    proc.stdout.close()
+    proc.close()
     # A child killed in the middle of a print leaves a partial last line ("saved 1" of
     # "saved 13 ..."): only whole lines count.
     for line in rest.split("\n")[:-1]:

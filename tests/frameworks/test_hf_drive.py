@@ -29,6 +29,8 @@ pytest.importorskip("colab_standin", reason="needs the google.colab stand-in (sc
 from colab_standin.cloud import Cloud
 from colab_standin.server import DriveServer
 
+from testkit import warmfork
+
 SCRIPT = Path(__file__).with_name("hf_train.py")
 RUN = "hf-run"
 pytestmark = pytest.mark.slow
@@ -36,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 def vm(
     vm_env: Callable[..., dict[str, str]], tmp: Path, name: str, lag: float, *args: str
-) -> subprocess.Popen[str]:
+) -> warmfork.WarmProcess:
     """A fresh VM (a new process with a new, empty mount over the same cloud) training."""
     env = vm_env(
         lag,
@@ -46,7 +48,7 @@ def vm(
         HF_HOME=str(tmp / "hf-home"),
     )
     (tmp / name).mkdir()
-    return subprocess.Popen(
+    return warmfork.popen(
         [sys.executable, str(SCRIPT), RUN, "--drive", "--events", str(tmp / f"{name}.jsonl"),
          *args],
         env=env, cwd=tmp / name, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -103,7 +105,7 @@ def test_a_trainer_checkpoint_is_saved_only_once_drive_has_it_and_keep_1_never_l
     cloud: tuple[Cloud, DriveServer], vm_env: Callable[..., dict[str, str]], tmp_path: Path
 ) -> None:
     god = cloud[0]
-    reference = subprocess.run(
+    reference = warmfork.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "reference")],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")},
         capture_output=True, text=True, timeout=600, check=True,

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from tests.colab.godview import landed
 
 import nbresume
+from testkit import warmfork
 
 SCRIPT = Path(__file__).with_name("lightning_train.py")
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def vm(
     env = vm_env(lag, tmp / "drive", NBRESUME_TEST_KILL=kill)
     (tmp / name).mkdir()
     shutil.rmtree(tmp / "drive", ignore_errors=True)
-    done = subprocess.run(
+    done = warmfork.run(
         [sys.executable, str(SCRIPT), str(tmp / "local"), "--epoch-end", "--drive"],
         env=env, cwd=tmp / name, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -55,7 +56,7 @@ def test_on_drive_every_ckpt_lands_whole_and_a_new_vm_resumes_exactly(
 ) -> None:
     god = cloud[0]
     reference = tmp_path / "reference"
-    done = subprocess.run(
+    done = warmfork.run(
         [sys.executable, str(SCRIPT), str(reference), "--epoch-end"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -96,7 +97,7 @@ def replace_on_drive(
     """A VM that saves epoch=1.ckpt and removes epoch=0.ckpt (save_top_k=1) while Drive has
     only epoch=0.ckpt; ``kill``: it dies right after."""
     env = vm_env(0.1, tmp / "drive")
-    return subprocess.run(
+    return warmfork.run(
         [sys.executable, str(REMOVAL), mode],
         env=env, cwd=tmp, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -9,8 +9,8 @@ weights and optimizer state are compared with the reference's, tensor by tensor,
 When they differ, a second uninterrupted run tells a resume that is not exact from a run that
 is not deterministic at all, and the check's line says which.
 
-The scenarios run in real processes forked from zygotes (``train_gpu.py serve``: torch is
-imported once per zygote), several at once where the machine has the cores: the tests then
+The scenarios run in real processes forked from the suite's warm server (``testkit.warmfork``:
+torch is imported once), several at once where the machine has the cores: the tests then
 only wait for their own. ``NBRESUME_GPU_TESTS_DEVICE=cpu`` runs everything on the CPU. The
 random moments come from a seed that is printed; ``NBRESUME_GPU_SEED=<seed>`` replays it.
 """
@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import random
-import select
 import shutil
 import signal
 import subprocess
@@ -41,6 +40,7 @@ from tests.gpu.conftest import DEVICE, requires_device
 import nbresume
 import nbresume.hf
 from gpu import train_gpu
+from testkit import warmfork
 from testkit.paths import ROOT, with_testkit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, requires_device]
@@ -123,7 +123,7 @@ def child_env(home: Path) -> dict[str, str]:
         **with_testkit({**os.environ, "PYTHONPATH": path}),
         "OMP_NUM_THREADS": "1",
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-        # The zygote must not start CUDA: torch.cuda.is_available() then asks NVML instead.
+        # No process that forks may start CUDA: torch.cuda.is_available() then asks NVML.
         "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -143,8 +143,8 @@ _FORK_POISONED = ("Cannot re-initialize CUDA in forked subprocess", "CUDA initia
 
 
 class Runner:
-    """Runs training processes one at a time: forked from a zygote (``train_gpu.py serve``),
-    or, if a forked child cannot start CUDA, each in a new interpreter."""
+    """Runs training processes one at a time: forked from the warm server, or, if a forked
+    child cannot start CUDA, each in a new interpreter."""
 
     def __init__(self, workdir: Path, caches: Path) -> None:
         self.workdir = workdir
@@ -153,51 +153,24 @@ class Runner:
         self.fork = os.environ.get("NBRESUME_GPU_TESTS_FORK", "1") != "0"
         self.note = ""
         self.runs = 0
-        self.zygote: subprocess.Popen[bytes] | None = None
-        self._buffer = b""
-
-    def _line(self, deadline: float) -> str:
-        """The zygote's next line (unbuffered: select() sees all that is unread)."""
-        assert self.zygote is not None
-        assert self.zygote.stdout is not None
-        fd = self.zygote.stdout.fileno()
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise AssertionError(f"the zygote said nothing for {RUN_LIMIT_S:.0f} s")
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise AssertionError(f"the zygote ended (exit {self.zygote.wait()})")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.decode()
 
     def _start(self, command: dict[str, Any]) -> tuple[int, Callable[[float], int]]:
         """Start one run; its pid, and a function that waits for its exit status."""
-        if not self.fork:
-            child = subprocess.Popen(
-                [sys.executable, str(SCRIPT), "run", json.dumps(command)], env=self.env
-            )
-            return child.pid, lambda deadline: child.wait(max(0.0, deadline - time.monotonic()))
-        if self.zygote is None:
-            self.zygote = subprocess.Popen(
-                [sys.executable, str(SCRIPT), "serve"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                bufsize=0,
-                env=self.env,
-            )
-        assert self.zygote.stdin is not None
-        self.zygote.stdin.write((json.dumps(command) + "\n").encode())
-        self.zygote.stdin.flush()
-        pid = int(self._line(time.monotonic() + RUN_LIMIT_S).split()[1])
+        argv = [sys.executable, str(SCRIPT), "run", json.dumps(command)]
+        child: subprocess.Popen[bytes] | warmfork.WarmProcess
+        if self.fork:
+            child = warmfork.popen(argv, stdin=subprocess.DEVNULL, env=self.env)
+        else:
+            child = subprocess.Popen(argv, env=self.env)
 
         def wait(deadline: float) -> int:
-            _, reported, status = self._line(deadline).split()
-            assert int(reported) == pid
-            return int(status)
+            try:
+                return child.wait(max(0.0, deadline - time.monotonic()))
+            finally:
+                if isinstance(child, warmfork.WarmProcess) and child.returncode is not None:
+                    child.close()
 
-        return pid, wait
+        return child.pid, wait
 
     def run(self, folder: Path, plan: Plan, *, kill_at: int | None = None) -> tuple[int, str]:
         """Train ``plan`` in ``folder``; with ``kill_at``, SIGKILL the process once it has
@@ -242,10 +215,7 @@ class Runner:
         return tensors
 
     def close(self) -> None:
-        if self.zygote is not None:
-            assert self.zygote.stdin is not None
-            self.zygote.stdin.close()
-            self.zygote.wait(timeout=60)
+        """Nothing to end: each run is waited for (or killed) by :meth:`run`."""
 
 
 def lines(text: str, kind: str) -> list[int]:
@@ -330,7 +300,7 @@ def scenario(runner: Runner, root: Path, plan: Plan, chance: random.Random) -> O
 
 class Scenarios:
     """Runs the scenarios of the selected tests, several at once where there are cores for
-    them (``NBRESUME_GPU_TESTS_PARALLEL``), each thread with its own zygote."""
+    them (``NBRESUME_GPU_TESTS_PARALLEL``), each thread with its own runner."""
 
     def __init__(self, root: Path, names: list[str], seed: int) -> None:
         self.root = root
@@ -349,7 +319,7 @@ class Scenarios:
         runner: Runner | None = getattr(self.local, "runner", None)
         if runner is None:
             with self.lock:
-                runner = Runner(self.root / f"zygote-{len(self.runners)}", self.root / "caches")
+                runner = Runner(self.root / f"runner-{len(self.runners)}", self.root / "caches")
                 runner.workdir.mkdir()
                 self.runners.append(runner)
             self.local.runner = runner

@@ -16,10 +16,8 @@ final weights and optimizer state go to ``out`` (``torch.save``, on the CPU). Ki
 - ``hf``: the Hugging Face Trainer (fp16 on CUDA) with ``nbresume.hf``;
 - ``lightning``: Lightning on the device with ``nbresume.lightning``, checkpoints at epoch ends.
 
-``python train_gpu.py serve`` is a zygote: it imports torch once (never starting CUDA), then
-reads one JSON command per line and runs each in a forked child, answering ``pid P`` when the
-child started and ``exit P STATUS`` when it ended (STATUS negative: killed by that signal).
-``python train_gpu.py run COMMAND`` runs one command in this process instead.
+``python train_gpu.py run COMMAND`` runs one command (forked from the suite's warm server, or
+in a new interpreter where a forked child cannot start CUDA).
 """
 
 from __future__ import annotations
@@ -377,7 +375,7 @@ def train_lightning(folder: Path, device: str, pause: float) -> dict[str, Any]:
     return final
 
 
-# -- running one, and the zygote -----------------------------------------------------------
+# -- running one ----------------------------------------------------------------------------
 
 RUNS: dict[str, Callable[[Path, str, str, float], dict[str, Any]]] = {
     "shape": lambda folder, name, device, pause: shapes.train(
@@ -400,13 +398,5 @@ def run(command: dict[str, Any]) -> int:
     return zygote.run_logged(command, _train)
 
 
-def serve() -> None:
-    # Nothing here may start CUDA: a child forked after that could not use it.
-    zygote.serve(run, warm_torch=False)
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "serve":
-        serve()
-    else:
-        sys.exit(run(json.loads(sys.argv[2])))
+    sys.exit(run(json.loads(sys.argv[2])))

@@ -1,10 +1,11 @@
 """Drive ``train_cnn.py`` in a child process: read what it prints, act at a chosen line.
 
-The child runs in its own session (process group), so that a SIGKILL can take it down with
-its DataLoader workers at once, as a preempted machine or an OOM-killed container does; other
-signals go to the main process only, as a notebook's interrupt button, ``kill PID``,
-``docker stop`` or Kubernetes send them, unless ``to_group`` is set (Slurm's ``scancel``
-signals every process of the job step).
+The child is forked from the suite's warm server (``testkit.warmfork``: a fresh interpreter
+without torch's import to pay for each run). It runs in its own process group, so that a
+SIGKILL can take it down with its DataLoader workers at once, as a preempted machine or an
+OOM-killed container does; other signals go to the main process only, as a notebook's
+interrupt button, ``kill PID``, ``docker stop`` or Kubernetes send them, unless ``to_group`` is
+set (Slurm's ``scancel`` signals every process of the job step).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nbresume.checkpoint.store import CheckpointStore
+from testkit import warmfork
 
 TRAIN = Path(__file__).with_name("train_cnn.py")
 # One math thread per process: two cores are shared by the trainer and its two workers.
@@ -119,7 +121,7 @@ def train(
     group = signum == signal.SIGKILL if to_group is None else to_group
     err_path = folder.parent / f"stderr-{folder.name}.txt"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(
+        proc = warmfork.popen(
             argv,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -127,7 +129,6 @@ def train(
             # Its DataLoader workers, killed with it, leave multiprocessing's temporary
             # folders behind: beside the run's folder, not in /tmp.
             env={**CHILD_ENV, "TMPDIR": str(folder.parent), **(env or {})},
-            start_new_session=True,
         )
 
     def kill_group(sig: int) -> None:
@@ -168,8 +169,7 @@ def train(
         watchdog.cancel()
         kill_group(signal.SIGKILL)  # DataLoader workers left behind by a killed trainer
         proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        proc.close()
     run.returncode = proc.returncode
     run.stderr = err_path.read_text()
     assert not run.hung, f"the training run hung\n{run.describe()}"

@@ -10,7 +10,6 @@ loop's final save of the same step.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 import nbresume
 from nbresume.checkpoint.store import CheckpointStore
+from testkit import warmfork
 
 QUIET: dict[str, Any] = {"deadline": None, "quiet": True, "async_save": False}
 
@@ -167,8 +167,8 @@ def test_a_script_that_ends_after_the_loop_without_close(tmp_path: Path, how: st
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     folder = tmp_path / "run"
-    done = subprocess.run([sys.executable, str(script), str(folder), how],
-                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    done = warmfork.run([sys.executable, str(script), str(folder), how],
+                        capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     if how == "break":
         assert done.returncode == 0, done.stderr
         assert steps_on_disk(folder) == [5, 8]

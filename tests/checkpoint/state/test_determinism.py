@@ -8,7 +8,6 @@ fresh interpreter. Whether it makes a resumed CUDA run bit-identical is checked 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +19,7 @@ import nbresume
 from nbresume import Checkpointer
 from nbresume.checkpoint.state import determinism
 from nbresume.errors import ArgumentError
+from testkit import warmfork
 
 SCRIPT = """
 import json, os, sys
@@ -51,7 +51,7 @@ def _run(tmp_path: Path, how: str) -> dict[str, object]:
     script = tmp_path / "det.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = {"CUBLAS_WORKSPACE_CONFIG": ""}  # as a fresh notebook has it: unset
-    done = subprocess.run(
+    done = warmfork.run(
         [sys.executable, str(script), str(tmp_path / "ckpt"), how],
         capture_output=True,
         text=True,

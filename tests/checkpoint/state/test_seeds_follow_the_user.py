@@ -5,11 +5,12 @@ it does without nbresume, and a resumed run continues them exactly."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from testkit import warmfork
 
 SCRIPT = Path(__file__).with_name("train_random_seeded.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -19,7 +20,7 @@ def batches(folder: Path, stop_after: int | None = None) -> list[str]:
     argv = [sys.executable, str(SCRIPT), str(folder)]
     if stop_after is not None:
         argv.append(str(stop_after))
-    done = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=300)
+    done = warmfork.run(argv, capture_output=True, text=True, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr
     return [line for line in done.stdout.splitlines() if line.startswith("batch ")]
 
