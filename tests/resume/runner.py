@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from nbresume.checkpoint.store import CheckpointStore
@@ -110,18 +111,20 @@ def train(
     to_group: bool | None = None,
     repeat: float | None = None,
     env: dict[str, str] | None = None,
+    warm: bool = True,
 ) -> Run:
     """Run ``train_cnn.py folder total *options`` to its end. When ``trigger`` first returns
     True, wait ``delay`` seconds and send ``signum`` (SIGKILL goes to the whole process group
     unless ``to_group`` says otherwise; other signals to the main process only); with
     ``repeat``, send it a second time that many seconds later. ``env``: more variables for
-    the child."""
+    the child; ``warm=False``: a new interpreter rather than a child of the warm server."""
     argv = [sys.executable, str(TRAIN), str(folder), str(total), "--trace", *options]
     run = Run(argv)
     group = signum == signal.SIGKILL if to_group is None else to_group
     err_path = folder.parent / f"stderr-{folder.name}.txt"
     with open(err_path, "w") as err:
-        proc = warmfork.popen(
+        launch = warmfork.popen if warm else partial(subprocess.Popen, start_new_session=True)
+        proc = launch(
             argv,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -169,7 +172,11 @@ def train(
         watchdog.cancel()
         kill_group(signal.SIGKILL)  # DataLoader workers left behind by a killed trainer
         proc.wait()
-        proc.close()
+        if isinstance(proc, subprocess.Popen):
+            assert proc.stdout is not None
+            proc.stdout.close()
+        else:
+            proc.close()
     run.returncode = proc.returncode
     run.stderr = err_path.read_text()
     assert not run.hung, f"the training run hung\n{run.describe()}"

@@ -7,7 +7,9 @@ process group, a few steps after a save was verified, at a step drawn at random.
 compiled with the ``eager`` backend: the same ``OptimizedModule`` wrapper and ``_orig_mod.``
 names as the default backend, and the same arithmetic as the plain model (no generated
 kernels, no C++ compiler), so that the runs compare bit for bit. Whatever TorchInductor
-would cache goes into the test's own folder (``TORCHINDUCTOR_CACHE_DIR``).
+would cache goes into the test's own folder (``TORCHINDUCTOR_CACHE_DIR``). The compiled runs
+are new interpreters, not children of the suite's warm server: dynamo is then set up as a
+user's script sets it up.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def test_a_compiled_model_killed_after_a_save_resumes_bit_exactly_across_compile
     def context() -> str:
         return f"{resume_rng.replay()}; killed {target.label}"
 
-    run = train(run_dir, TOTAL, *options(killed), trigger=target.trigger, env=env)
+    run = train(run_dir, TOTAL, *options(killed), trigger=target.trigger, env=env, warm=False)
     assert run.signalled, f"the run ended before the kill\n{context()}\n{run.describe()}"
     assert run.returncode == KILLED, f"not killed\n{context()}\n{run.describe()}"
     check_run(run, 0, context)
@@ -71,7 +73,7 @@ def test_a_compiled_model_killed_after_a_save_resumes_bit_exactly_across_compile
     names = list(saved.objects["model"])
     assert all(n.startswith("_orig_mod.") for n in names) == (killed is not None), names
 
-    final = train(run_dir, TOTAL, *options(resumed), env=env)
+    final = train(run_dir, TOTAL, *options(resumed), env=env, warm=False)
     check_run(final, max(found), context)
     problem = finished_cleanly(final, TOTAL)
     assert not problem, f"the last run did not finish: {problem}\n{context()}\n{final.describe()}"

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import io
 import json
 import locale
@@ -83,6 +84,10 @@ def serve(channel_fd: int) -> None:
 
     import nbresume  # noqa: F401
 
+    # What the imports made is kept out of the collector's sight: without this, a child's
+    # first full collection walks (and copies, page by page) the server's whole heap.
+    gc.collect()
+    gc.freeze()
     own_pythonpath = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
     site_path = [p for p in sys.path[1:] if p not in own_pythonpath]
     channel = socket.socket(fileno=channel_fd)
