@@ -320,3 +320,24 @@ def test_checkpoint_holds_only_json_and_safetensors(tmp_path: Path) -> None:
             assert path.suffix == ".safetensors"
             with safe_open(str(path), framework="pt") as handle:
                 assert list(handle.keys())
+
+
+def nested(levels: int) -> Any:
+    """A document of ``levels`` nested containers (lists and objects in turn), each level
+    also holding scalars beside the next one."""
+    document: Any = [1, "x", None]
+    for level in range(1, levels):
+        document = {"a": 1.5, "next": document} if level % 2 else [True, document, 2]
+    return document
+
+
+@pytest.mark.parametrize("levels", [1, 7, 100])
+def test_a_saved_tree_nested_up_to_the_limit_is_rebuilt(levels: int) -> None:
+    document = nested(levels)
+    assert unflatten(document, {}, where="test") == document
+
+
+@pytest.mark.parametrize("levels", [101, 5000])
+def test_a_saved_tree_nested_past_the_limit_is_refused_as_damage(levels: int) -> None:
+    with pytest.raises(nbresume.CorruptCheckpointError, match="nested deeper than 100 levels"):
+        unflatten(nested(levels), {}, where="test")

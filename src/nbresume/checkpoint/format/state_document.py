@@ -24,7 +24,7 @@ import base64
 import math
 import random
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,23 +107,30 @@ _MAX_NP_ITEMSIZE = 1 << 16
 _NP_KINDS = frozenset("biufcUSmM")
 
 
+#: What a JSON document nests: everything else in it is a scalar.
+_CONTAINERS = (dict, list)
+
+
 def check_depth(document: Tree, *, where: str, limit: int = MAX_DEPTH) -> None:
-    """Refuse a document nested deeper than ``limit`` (iteratively: never a RecursionError;
-    the memory it takes is one iterator per level, whatever the document's width)."""
-    stack: list[Iterator[Any]] = [iter((document,))]
-    while stack:
-        value = next(stack[-1], _END)
-        if value is _END:
-            stack.pop()
-        elif isinstance(value, (dict, list)):
-            if len(stack) > limit:
-                raise CorruptCheckpointError(
-                    f"invalid saved state: nested deeper than {limit} levels", where=where
-                )
-            stack.append(iter(value.values() if isinstance(value, dict) else value))
+    """Refuse a document nested deeper than ``limit`` (iteratively, one level at a time: never
+    a RecursionError; the memory it takes is a list of the containers of one level, never
+    more references than the document holds)."""
+    level = [document] if isinstance(document, _CONTAINERS) else []
+    depth = 1
+    while level:
+        if depth > limit:
+            raise CorruptCheckpointError(
+                f"invalid saved state: nested deeper than {limit} levels", where=where
+            )
+        # Only the containers go on: the scalars, most of a document, are looked at once.
+        level = [
+            child
+            for value in level
+            for child in (value.values() if isinstance(value, dict) else value)
+            if isinstance(child, _CONTAINERS)
+        ]
+        depth += 1
 
-
-_END = object()
 
 #: What parsing a JSON document may take in memory, in multiples of its size. Python's objects
 #: are larger than the text they come from: an empty object (``{}``, two bytes) is some 64, a
@@ -206,13 +213,20 @@ def unflatten(
                 )
         return tensor
 
+    # A scalar is itself: only containers are walked (and their keys' path built), so that a
+    # long list of numbers (a generator's state) costs one look per number.
     def walk(value: Tree, at: list[str]) -> Any:
         if isinstance(value, list):
-            return [walk(v, [*at, str(i)]) for i, v in enumerate(value)]
+            return [
+                walk(v, [*at, str(i)]) if isinstance(v, _CONTAINERS) else v
+                for i, v in enumerate(value)
+            ]
         if not isinstance(value, dict):
             return value
         if TAG not in value:
-            return {k: walk(v, [*at, k]) for k, v in value.items()}
+            return {
+                k: walk(v, [*at, k]) if isinstance(v, _CONTAINERS) else v for k, v in value.items()
+            }
         tag = value[TAG]
         fields = set(value) - {TAG}
         if tag in ("tensor", "ndarray") and (
@@ -227,7 +241,10 @@ def unflatten(
             return tensor.numpy() if tag == "ndarray" and hasattr(tensor, "numpy") else tensor
         items = value.get("items")
         if tag == "tuple" and fields == {"items"} and isinstance(items, list):
-            return tuple(walk(v, [*at, str(i)]) for i, v in enumerate(items))
+            return tuple(
+                walk(v, [*at, str(i)]) if isinstance(v, _CONTAINERS) else v
+                for i, v in enumerate(items)
+            )
         if tag == "dict" and fields == {"items"} and isinstance(items, list):
             if not all(isinstance(p, list) and len(p) == 2 for p in items):
                 raise bad("a dict entry is not a [key, value] pair", at)

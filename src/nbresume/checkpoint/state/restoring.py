@@ -243,8 +243,9 @@ def load_object(name: str, obj: Any, tree: Any) -> None:
     adopted: list[tuple[Any, Any]] = []
     try:
         if is_module(obj) and isinstance(tree, Mapping):
-            tree = compiled_renamed(tree, obj.state_dict(keep_vars=True)) or tree
-            tree, adopted = adopt_storages(obj, tree)
+            live = obj.state_dict(keep_vars=True)
+            tree = compiled_renamed(tree, live) or tree
+            tree, adopted = adopt_storages(live, tree)
         obj.load_state_dict(tree)
     except BaseException as exc:
         for tensor, before in reversed(adopted):
@@ -259,9 +260,12 @@ def load_object(name: str, obj: Any, tree: Any) -> None:
         ) from exc
 
 
-def adopt_storages(module: Any, tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """Point each of ``module``'s parameters and buffers at its saved tensor (``tensor.data
-    = saved``) where that is the same as copying it, and return the tree to load (each
+def adopt_storages(
+    live: Mapping[str, Any], tree: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[Any]]:
+    """Point each of a module's parameters and buffers (``live``: its
+    ``state_dict(keep_vars=True)``) at its saved tensor (``tensor.data = saved``) where that
+    is the same as copying it, and return the tree to load (each
     adopted entry replaced by the live tensor itself, so that ``load_state_dict`` still runs
     its checks and hooks and copies nothing) with the (tensor, former storage) pairs.
 
@@ -275,7 +279,6 @@ def adopt_storages(module: Any, tree: Mapping[str, Any]) -> tuple[dict[str, Any]
     import torch
 
     plain = (torch.Tensor, torch.nn.Parameter)
-    live = module.state_dict(keep_vars=True)
     # Storage -> the live tensors on it, and tensor -> the names it is saved under. Only
     # plain tensors: a subclass (FSDP2's DTensor) may have no storage of its own to ask about.
     on_storage: dict[int, set[int]] = {}
