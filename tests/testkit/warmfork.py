@@ -608,19 +608,9 @@ def _refuse_shadowed_imports(pythonpath: list[str], server: _Server) -> None:
                     )
 
 
-def popen(
-    args: Sequence[str | os.PathLike[str]],
-    *,
-    stdin: _Stream = None,
-    stdout: _Stream = None,
-    stderr: _Stream = None,
-    text: bool = False,
-    cwd: str | os.PathLike[str] | None = None,
-    env: Mapping[str, str] | None = None,
-) -> WarmProcess:
-    """``subprocess.Popen(args, start_new_session=True, ...)`` for ``args`` =
-    ``[sys.executable, script | -c CODE | -m MODULE, ...]``, forked from the warm server."""
-    return WarmProcess(args, stdin=stdin, stdout=stdout, stderr=stderr, text=text, cwd=cwd, env=env)
+#: ``subprocess.Popen(args, start_new_session=True, ...)`` for ``args`` =
+#: ``[sys.executable, script | -c CODE | -m MODULE, ...]``, forked from the warm server.
+popen = WarmProcess
 
 
 def run(
@@ -628,27 +618,16 @@ def run(
     *,
     input: str | bytes | None = None,
     capture_output: bool = False,
-    stdout: _Stream = None,
-    stderr: _Stream = None,
-    text: bool = False,
-    cwd: str | os.PathLike[str] | None = None,
-    env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     check: bool = False,
+    **options: Any,
 ) -> subprocess.CompletedProcess[Any]:
-    """``subprocess.run`` of a Python child forked from the warm server (see :func:`popen`);
-    on a timeout the child's process group is killed and ``TimeoutExpired`` raised."""
+    """``subprocess.run`` of a Python child forked from the warm server; ``options``: those of
+    :func:`popen` but ``stdin``. On a timeout the child's process group is killed and
+    ``TimeoutExpired`` raised."""
     if capture_output:
-        stdout = stderr = subprocess.PIPE
-    proc = popen(
-        args,
-        stdin=subprocess.PIPE if input is not None else None,
-        stdout=stdout,
-        stderr=stderr,
-        text=text,
-        cwd=cwd,
-        env=env,
-    )
+        options["stdout"] = options["stderr"] = subprocess.PIPE
+    proc = popen(args, stdin=subprocess.PIPE if input is not None else None, **options)
     try:
         try:
             out, err = proc.communicate(input, timeout)
