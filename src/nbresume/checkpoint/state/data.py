@@ -134,9 +134,9 @@ class _SeededDataset:
         batched = getattr(self.dataset, "__getitems__", None)
         if batched:
             return batched(list(indices))  # type: ignore[no-any-return]
-        return self._samples(indices)
+        return self.seeded_samples(indices)
 
-    def _samples(self, indices: list[int]) -> list[Any]:
+    def seeded_samples(self, indices: list[int]) -> list[Any]:
         """``self[index]`` of each index: each sample on host streams seeded for it, as
         :meth:`__getitem__` does, with the caller's states read and put back once for the
         batch rather than once per sample (reading and setting them costs far more than
@@ -939,7 +939,7 @@ class ResumableLoader:
 #: exactly before returning (tests/test_rng_guest.py checks both).
 SCOPED_SEEDING: tuple[Callable[..., Any], ...] = (
     _SeededDataset.__getitem__,
-    _SeededDataset._samples,
+    _SeededDataset.seeded_samples,
     _read_under_seed,
     _OnOwnStreams.__next__,
 )
