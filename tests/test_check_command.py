@@ -89,28 +89,24 @@ def start_check(folder: Path, script: Path, *options: str, steps: int | None = S
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Check]]:
     base = tmp_path_factory.mktemp("checks")
-    # Killed twice (the default): the exact scripts, whose point is the resume.
     scripts = {
         "quickstart": ROOT / "docs" / "examples" / "train.py",
+        "unsaved_generator": SCRIPTS / "unsaved_generator.py",
+        "early_stopping": SCRIPTS / "early_stopping.py",
         "random_sampler": SCRIPTS / "random_sampler.py",
     }
     started = {name: start_check(base / name, path) for name, path in scripts.items()}
-    # Killed once: the scripts whose difference one resume shows and whose cause is named
-    # from it, a start of the script fewer each.
-    for name in ("unsaved_generator", "early_stopping"):
-        started[name] = start_check(base / name, SCRIPTS / f"{name}.py", "--kills", "1")
     # With the default options: the whole run of a short script, the first steps of a long one.
     started["local_counter"] = start_check(
         base / "local_counter", SCRIPTS / "local_counter.py", steps=None
     )
-    # Killed once too: the budget a long script gets and the runs side by side, each in a
-    # folder of its own, where the point is not the resume; an environment's own generator,
-    # which one resume shows.
+    # Two checks whose point is not the resume (the budget a long script gets, and runs side by
+    # side each in a folder of its own) are killed once, not twice: one start fewer each.
     started["long_run"] = start_check(
         base / "long_run", SCRIPTS / "long_run.py", "--cover", "2", "--kills", "1", steps=None
     )
     started["unregistered_env"] = start_check(
-        base / "unregistered_env", SCRIPTS / "unregistered_env.py", "--kills", "1", steps=None
+        base / "unregistered_env", SCRIPTS / "unregistered_env.py", steps=None
     )
     started["accelerate"] = start_check(
         base / "accelerate", SCRIPTS / "accelerate_project_dir.py", "--kills", "1", steps=6
@@ -172,7 +168,7 @@ def test_a_generator_not_given_to_the_checkpointer_is_caught_and_named(
     assert "  the script's global 'rng' (numpy Generator): its state differs at the end" in out
     assert "the generator `rng` (numpy Generator) of unsaved_generator.py ended in another " in out
     assert "fix: give it to the Checkpointer" in out
-    assert f"repeat this check: nbresume check --seed {SEED} --steps {STEPS} --kills 1 --" in out
+    assert f"repeat this check: nbresume check --seed {SEED} --steps {STEPS} --kills 2 --" in out
 
 
 @pytest.mark.slow
