@@ -100,16 +100,14 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Check
     started["local_counter"] = start_check(
         base / "local_counter", SCRIPTS / "local_counter.py", steps=None
     )
-    # Two checks whose point is not the resume (the budget a long script gets, and runs side by
-    # side each in a folder of its own) are killed once, not twice: one start fewer each.
     started["long_run"] = start_check(
-        base / "long_run", SCRIPTS / "long_run.py", "--cover", "2", "--kills", "1", steps=None
+        base / "long_run", SCRIPTS / "long_run.py", "--cover", "2", steps=None
     )
     started["unregistered_env"] = start_check(
         base / "unregistered_env", SCRIPTS / "unregistered_env.py", steps=None
     )
     started["accelerate"] = start_check(
-        base / "accelerate", SCRIPTS / "accelerate_project_dir.py", "--kills", "1", steps=6
+        base / "accelerate", SCRIPTS / "accelerate_project_dir.py", steps=6
     )
     yield started
     for check in started.values():
