@@ -12,7 +12,8 @@ user's dataset, the user's own multiprocessing, the exit hooks of a child that e
 Every lock, condition and event of nbresume's threads is made here and is made new, free, in
 a forked child, as CPython does for its own (``_at_fork_reinit``). What a lock guarded stays
 as the fork found it; the objects that track work of the parent's threads (a worker pool,
-the removals in flight, the leases held) also forget that work in the child.
+the removals in flight, the leases held) also forget that work in the child. An object made
+once per process at its first use (:class:`Lazy`) is guarded by such a lock too.
 
 A forked child inherits none of its parent's threads either. Starting a thread costs
 milliseconds on a busy machine, at every save: the files' fsyncs
