@@ -64,7 +64,7 @@ def main() -> int:
         snapshot._COPIER._lock,
         local.REMOVALS._changed,
         health._lock,
-        progress._TRACKER_LOCK,
+        progress._TRACKER.lock,
         progress.tracker()._lock,
     ]
     held, release = threading.Event(), threading.Event()

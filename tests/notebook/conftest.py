@@ -134,13 +134,13 @@ def ipshell(
     from nbresume.notebook import extension_state, progress
 
     shell = start_ipython() or TerminalInteractiveShell.instance()  # started once per process
-    monkeypatch.setattr(progress, "_TRACKER", None)
-    monkeypatch.setattr(extension_state, "_STATE", None)
+    monkeypatch.setattr(progress._TRACKER, "made", None)
+    monkeypatch.setattr(extension_state._STATE, "made", None)
     monkeypatch.setattr(events, "_watchers", [])
     monkeypatch.setattr(run_module._Latest, "run", None)
     shell.extension_manager.loaded.discard("nbresume")
     yield shell
-    state = extension_state._STATE
+    state = extension_state._STATE.made
     if state is not None:
         state.unregister(shell)
         state.tracker.stop()

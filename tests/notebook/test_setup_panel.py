@@ -44,12 +44,12 @@ NAME = "tiny-run"
 @pytest.fixture(autouse=True)
 def fresh_tracker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The process tracker and the checkpointer watchers start empty for each test."""
-    monkeypatch.setattr(progress, "_TRACKER", None)
+    monkeypatch.setattr(progress._TRACKER, "made", None)
     monkeypatch.setattr(events, "_watchers", [])
     progress.tracker()  # as in a notebook, where init shows the run before any Checkpointer
     yield
-    if progress._TRACKER is not None:
-        progress._TRACKER.stop()
+    if progress._TRACKER.made is not None:
+        progress._TRACKER.made.stop()
 
 
 @pytest.fixture

@@ -48,7 +48,8 @@ def _strings(node: ast.AST) -> set[str]:
 
 def environment_reads(tree: ast.AST) -> set[str]:
     """Names read from ``os.environ`` in a module: literal keys, and the string elements of
-    tuples that are looped over (``for v in ("A", "B")``) or named ``*_VARIABLES``."""
+    tuples that are looped over (``for v in ("A", "B")``), named ``*_VARIABLES``, or a
+    platform's ``detected_by``."""
     names: set[str] = set()
     keys: list[ast.expr] = []  # every expression used as a key to read the environment
     for node in ast.walk(tree):
@@ -71,7 +72,7 @@ def environment_reads(tree: ast.AST) -> set[str]:
                 names |= _strings(node.iter)
         elif isinstance(node, ast.Assign):
             targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            if any(t.endswith("_VARIABLES") for t in targets):
+            if any(t.endswith("_VARIABLES") or t == "detected_by" for t in targets):
                 names |= _strings(node.value)
     return names
 
@@ -100,5 +101,8 @@ def test_the_scan_sees_each_way_of_reading_the_environment() -> None:
         "os.environ['FOUR']\n"
         "os.getenv('FIVE')\n"
         "any(os.environ.get(v) for v in ('SIX', 'SEVEN'))\n"
+        "class P:\n"
+        "    detected_by = ('EIGHT',)\n"
     )
-    assert environment_reads(module) == {"ONE", "TWO", "THREE", "FOUR", "FIVE", "SIX", "SEVEN"}
+    expected = {"ONE", "TWO", "THREE", "FOUR", "FIVE", "SIX", "SEVEN", "EIGHT"}
+    assert environment_reads(module) == expected

@@ -12,7 +12,8 @@ user's dataset, the user's own multiprocessing, the exit hooks of a child that e
 Every lock, condition and event of nbresume's threads is made here and is made new, free, in
 a forked child, as CPython does for its own (``_at_fork_reinit``). What a lock guarded stays
 as the fork found it; the objects that track work of the parent's threads (a worker pool,
-the removals in flight, the leases held) also forget that work in the child.
+the removals in flight, the leases held) also forget that work in the child. An object made
+once per process at its first use (:class:`Lazy`) is guarded by such a lock too.
 
 A forked child inherits none of its parent's threads either. Starting a thread costs
 milliseconds on a busy machine, at every save: the files' fsyncs
@@ -28,7 +29,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 _T = TypeVar("_T")
 
@@ -71,6 +72,24 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Lazy(Generic[_T]):
+    """One object for the whole process (the notebook's tracker, the extension's state), made
+    by ``make`` at the first :meth:`get`, under a lock that a forked child finds free."""
+
+    def __init__(self, make: Callable[[], _T]) -> None:
+        self._make = make
+        self.lock = lock()
+        #: The object :meth:`get` made (``None``: not made yet).
+        self.made: _T | None = None
+
+    def get(self) -> _T:
+        """The object, made now when it was not yet."""
+        with self.lock:
+            if self.made is None:
+                self.made = self._make()
+            return self.made
 
 
 # -- kept threads ------------------------------------------------------------------------------

@@ -145,17 +145,12 @@ class ExtensionState:
         return "\n".join(lines)
 
 
-_STATE: ExtensionState | None = None
-_STATE_LOCK = forksafe.lock()
+_STATE = forksafe.Lazy(lambda: ExtensionState(tracker()))
 
 
 def state() -> ExtensionState:
     """The extension's state in this process (created on first use)."""
-    global _STATE  # noqa: PLW0603
-    with _STATE_LOCK:
-        if _STATE is None:
-            _STATE = ExtensionState(tracker())
-        return _STATE
+    return _STATE.get()
 
 
 def _shell() -> Any:

@@ -777,15 +777,15 @@ def _session_deadline(run: Run) -> tuple[float | None, str]:
         return None, ""
 
 
-_TRACKER: Tracker | None = None
-_TRACKER_LOCK = forksafe.lock()
+def _started_tracker() -> Tracker:
+    started = Tracker()
+    started.start()
+    return started
+
+
+_TRACKER = forksafe.Lazy(_started_tracker)
 
 
 def tracker() -> Tracker:
     """The tracker of this process (created and started on first use)."""
-    global _TRACKER  # noqa: PLW0603
-    with _TRACKER_LOCK:
-        if _TRACKER is None:
-            _TRACKER = Tracker()
-            _TRACKER.start()
-        return _TRACKER
+    return _TRACKER.get()

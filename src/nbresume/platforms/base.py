@@ -97,14 +97,21 @@ class Platform(ABC):
     #: The checkpoint :meth:`prepare_root` copied in from an earlier run's output, if any.
     seeded: CheckpointInfo | None = None
 
+    #: The environment variables that tell this platform: by default :meth:`detect` sees it
+    #: when any of them is set, and :meth:`why` shows the first with its value.
+    detected_by: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
-    @abstractmethod
     def detect(cls) -> bool:
         """Whether this process runs on this platform. Looks; imports nothing heavy."""
+        return any(os.environ.get(variable) for variable in cls.detected_by)
 
     def why(self) -> str:
         """What detection saw, for the report (``"KAGGLE_KERNEL_RUN_TYPE=Batch"``)."""
-        return ""
+        if not self.detected_by:
+            return ""
+        variable = self.detected_by[0]
+        return f"{variable}={os.environ.get(variable, '')}"
 
     # -- the durable folder ----------------------------------------------------------------
 

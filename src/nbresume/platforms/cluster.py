@@ -32,7 +32,10 @@ _OFFLINE_NODES_FIX = (
 
 
 class _HomePlatform(Platform):
-    """Durable folders under NBRESUME_HOME."""
+    """Durable folders under NBRESUME_HOME, on a machine that runs for half a day between
+    interruptions."""
+
+    mtbf_s = 12 * HOUR
 
     def durable_base(self) -> Path:
         return knobs.home()
@@ -43,11 +46,7 @@ class SshPlatform(_HomePlatform):
 
     name = "ssh"
     title = "SSH box"
-    mtbf_s = 12 * HOUR
-
-    @classmethod
-    def detect(cls) -> bool:
-        return any(os.environ.get(v) for v in ("SSH_CONNECTION", "SSH_CLIENT", "SSH_TTY"))
+    detected_by = ("SSH_CONNECTION", "SSH_CLIENT", "SSH_TTY")
 
     def why(self) -> str:
         return "SSH_CONNECTION is set"
@@ -81,14 +80,7 @@ class SlurmPlatform(_HomePlatform):
 
     name = "slurm"
     title = "Slurm job"
-    mtbf_s = 12 * HOUR
-
-    @classmethod
-    def detect(cls) -> bool:
-        return bool(os.environ.get("SLURM_JOB_ID"))
-
-    def why(self) -> str:
-        return f"SLURM_JOB_ID={os.environ.get('SLURM_JOB_ID', '')}"
+    detected_by = ("SLURM_JOB_ID",)
 
     @staticmethod
     def end_time() -> float | None:
@@ -146,11 +138,7 @@ class KubernetesPlatform(_HomePlatform):
 
     name = "kubernetes"
     title = "Kubernetes pod"
-    mtbf_s = 12 * HOUR
-
-    @classmethod
-    def detect(cls) -> bool:
-        return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    detected_by = ("KUBERNETES_SERVICE_HOST",)
 
     def why(self) -> str:
         return "KUBERNETES_SERVICE_HOST is set"

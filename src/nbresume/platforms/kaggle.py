@@ -40,14 +40,12 @@ class KagglePlatform(Platform):
     name = "kaggle"
     title = "Kaggle (interactive)"
     mtbf_s = 4 * HOUR
+    detected_by = ("KAGGLE_KERNEL_RUN_TYPE",)
 
     @classmethod
     def detect(cls) -> bool:
         run_type = os.environ.get("KAGGLE_KERNEL_RUN_TYPE", "")
         return bool(run_type) and run_type != "Batch"
-
-    def why(self) -> str:
-        return f"KAGGLE_KERNEL_RUN_TYPE={os.environ.get('KAGGLE_KERNEL_RUN_TYPE', '')}"
 
     def durable_base(self) -> Path:
         return knobs.kaggle_root() / "working" / "nbresume"
