@@ -277,6 +277,8 @@ def test_an_error_is_one_message_on_stderr(
 
 
 # -- the installed command, in a real process --------------------------------------------------
+# The suite's one test of the console script that pip installs (its entry point, its exit
+# statuses): a new process from the script itself, never a fork of the warm server.
 
 
 def console_script() -> list[str]:

@@ -1,6 +1,7 @@
 """The ``nbresume`` command never answers a problem in the user's world with a traceback.
 
-Each case runs the command as a real process and expects exactly one line on stderr,
+Each case runs the command in a process of its own (forked from the suite's warm server,
+testkit.warmfork) and expects exactly one line on stderr,
 ``nbresume COMMAND: error: ... Fix: ...``, nothing on stdout, and exit status 1: an unknown URL
 scheme, a file system package that is not installed, S3 without credentials or without a
 reachable endpoint, a missing folder, a file where a folder is expected, a folder the user may
@@ -17,7 +18,7 @@ import stat
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ import torch
 
 from nbresume import CheckpointStore
 from nbresume.checkpoint.format import step_dirname
+from testkit import warmfork
+from testkit.cli import nbresume_argv, run_command
 from testkit.ports import free_port
 
 #: Every command that takes a checkpoint folder, with the arguments it needs besides it.
@@ -35,11 +38,6 @@ FOLDER_COMMANDS = {
     "status": [],
     "pull": ["DST"],
 }
-
-
-def console_script() -> list[str]:
-    script = Path(sys.executable).parent / "nbresume"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "nbresume.cli"]
 
 
 def argv_for(command: str, folder: str, tmp_path: Path) -> list[str]:
@@ -60,22 +58,6 @@ def assert_one_error_line(proc: subprocess.CompletedProcess[str], command: str) 
     return line
 
 
-def run_cli(
-    argv: list[str],
-    *,
-    env: dict[str, str] | None = None,
-    preexec_fn: Callable[[], None] | None = None,
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*console_script(), *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        preexec_fn=preexec_fn,
-    )
-
-
 @pytest.fixture
 def three(tmp_path: Path) -> Path:
     """A folder with the checkpoints of steps 100, 200, 300."""
@@ -91,7 +73,7 @@ def three(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("command", FOLDER_COMMANDS)
 def test_an_unknown_url_scheme(command: str, tmp_path: Path) -> None:
-    proc = run_cli(argv_for(command, "nosuchscheme://bucket/run", tmp_path))
+    proc = run_command(*argv_for(command, "nosuchscheme://bucket/run", tmp_path))
     line = assert_one_error_line(proc, command)
     assert "unknown URL scheme nosuchscheme://" in line
 
@@ -99,7 +81,7 @@ def test_an_unknown_url_scheme(command: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("command", FOLDER_COMMANDS)
 def test_a_missing_folder(command: str, tmp_path: Path) -> None:
     missing = tmp_path / "no" / "such" / "folder"
-    proc = run_cli(argv_for(command, str(missing), tmp_path))
+    proc = run_command(*argv_for(command, str(missing), tmp_path))
     line = assert_one_error_line(proc, command)
     assert f"{missing}: no such folder" in line
     assert not missing.exists()  # nothing was created on the way
@@ -109,7 +91,7 @@ def test_a_missing_folder(command: str, tmp_path: Path) -> None:
 def test_a_file_where_a_folder_is_expected(command: str, tmp_path: Path) -> None:
     weights = tmp_path / "weights.pt"
     weights.write_bytes(b"not a folder")
-    proc = run_cli(argv_for(command, str(weights), tmp_path))
+    proc = run_command(*argv_for(command, str(weights), tmp_path))
     line = assert_one_error_line(proc, command)
     assert f"{weights}: this is a file, not a folder" in line
 
@@ -140,7 +122,7 @@ WITHOUT_PACKAGES = textwrap.dedent(
 def test_a_file_system_package_that_is_not_installed(
     command: str, url: str, package: str, install: str, tmp_path: Path
 ) -> None:
-    proc = subprocess.run(
+    proc = warmfork.run(
         [sys.executable, "-c", WITHOUT_PACKAGES, package, *argv_for(command, url, tmp_path)],
         capture_output=True,
         text=True,
@@ -171,7 +153,7 @@ def s3_env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize("command", FOLDER_COMMANDS)
 def test_s3_without_credentials(command: str, s3_env: dict[str, str], tmp_path: Path) -> None:
     pytest.importorskip("s3fs")
-    proc = run_cli(argv_for(command, "s3://bucket/run", tmp_path), env=s3_env)
+    proc = run_command(*argv_for(command, "s3://bucket/run", tmp_path), env=s3_env)
     line = assert_one_error_line(proc, command)
     assert "no S3 credentials found" in line
     assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in line
@@ -181,7 +163,7 @@ def test_s3_without_credentials(command: str, s3_env: dict[str, str], tmp_path: 
 def test_s3_endpoint_that_cannot_be_reached(s3_env: dict[str, str], tmp_path: Path) -> None:
     pytest.importorskip("s3fs")
     s3_env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    proc = run_cli(["ls", "s3://bucket/run"], env=s3_env)
+    proc = run_command("ls", "s3://bucket/run", env=s3_env)
     line = assert_one_error_line(proc, "ls")
     assert "cannot reach the S3 endpoint" in line
     assert s3_env["AWS_ENDPOINT_URL"] in line
@@ -216,7 +198,15 @@ def test_prune_on_a_folder_it_may_not_change(read_only: Path) -> None:
     if probe.returncode != 0:
         pytest.skip("cannot drop root's capabilities here")
     before = sorted(os.listdir(read_only))
-    proc = run_cli(["prune", str(read_only), "--keep", "1"], preexec_fn=without_override)
+    # A real process: what it drops before it starts needs preexec_fn, which a fork from the
+    # warm server cannot take.
+    proc = subprocess.run(
+        nbresume_argv("prune", str(read_only), "--keep", "1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=without_override,
+    )
     line = assert_one_error_line(proc, "prune")
     assert "permission denied" in line
     assert str(read_only) in line
@@ -252,7 +242,7 @@ PRUNE_RACING_A_DELETE = textwrap.dedent(
 
 
 def test_prune_when_another_process_deletes_a_checkpoint_first(three: Path) -> None:
-    proc = subprocess.run(
+    proc = warmfork.run(
         [sys.executable, "-c", PRUNE_RACING_A_DELETE, str(three)],
         capture_output=True,
         text=True,

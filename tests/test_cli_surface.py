@@ -14,6 +14,7 @@ import pytest
 
 import nbresume
 from nbresume.cli import build_parser
+from testkit import warmfork
 from testkit.paths import with_testkit
 from testkit.stateful import Counter
 from testkit.terminal import stderr_on_a_terminal
@@ -22,12 +23,12 @@ ENV = {
     **{k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")},
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1",
 }
 
 
 def nbresume_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    """``python -m nbresume ARGS`` in a process forked from the warm server."""
+    return warmfork.run(
         [sys.executable, "-m", "nbresume", *args],
         capture_output=True,
         text=True,
@@ -124,7 +125,7 @@ def _argv(tmp_path: Path, mode: str) -> list[str]:
 
 
 def _run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warmfork.run(
         _argv(tmp_path, mode), capture_output=True, text=True, env=with_testkit(ENV), timeout=120
     )
 

@@ -22,6 +22,7 @@ def test_import_nbresume_is_light() -> None:
     code = (
         f"import json, sys, nbresume\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     )
+    # A new interpreter: a fork of the warm server has torch imported already.
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.cli import run_command
+
 JOB = """
 import sys
 import torch
@@ -25,13 +27,7 @@ print("the job is done", flush=True)
 
 
 def _nbresume(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "nbresume", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_command(*args, timeout=300)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import torch
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.cli import main
 from nbresume.hf.folders import FILES_NAME, commit_folder, open_store
+from testkit.cli import run_command
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -261,6 +262,7 @@ def test_reading_a_framework_folder_imports_neither_framework(tmp_path: Path) ->
         f"main(['verify', {str(out)!r}]); main(['status', {str(out)!r}])\n"
         "assert not {'lightning', 'transformers'} & set(sys.modules), 'imported'\n"
     )
+    # A fresh interpreter: a fork of the warm server has torch imported already.
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "OK    checkpoint-2" in done.stdout
@@ -284,10 +286,9 @@ def restart_line(ckpt_dir: Path, log: Path) -> str:
     """The line ``nbresume run --dir CKPT_DIR`` writes as an attempt starts (here of a job that
     does nothing), which names the checkpoint the job resumes from."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
-    done = subprocess.run(
-        [sys.executable, "-m", "nbresume.cli", "run", "--retries", "0", "--dir", str(ckpt_dir),
-         "--log", str(log), "--", sys.executable, "-c", "pass"],
-        env=env, capture_output=True, text=True, timeout=120,
+    done = run_command(
+        "run", "--retries", "0", "--dir", str(ckpt_dir), "--log", str(log), "--",
+        sys.executable, "-c", "pass", env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return next(line for line in log.read_text().splitlines() if "attempt 1 of 1:" in line)

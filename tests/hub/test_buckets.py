@@ -19,6 +19,7 @@ from nbresume.checkpoint.backends.hf_bucket import XET_RECORDS, HfBucketStore
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import StorageError
+from testkit import warmfork
 from testkit.stateful import QUIET
 
 from .conftest import BUCKET, TOKEN, URL
@@ -169,8 +170,8 @@ def test_bucket_kill_during_upload_leaves_the_earlier_checkpoint_newest_and_conf
     else:
         hub.hang_batch(f"{step_dirname(2)}/model.safetensors")
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # what a killed process leaves stays here
-    child = subprocess.Popen([sys.executable, "-c", SAVE_TWO, URL], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    child = warmfork.popen([sys.executable, "-c", SAVE_TWO, URL], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         while not hub.hung.wait(0.2) and child.poll() is None:
             pass  # until step 2's upload hangs, or the child ended without getting there

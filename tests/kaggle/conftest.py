@@ -118,7 +118,9 @@ def nbresume(
     env: dict[str, str],
     timeout: float = 300,
 ) -> Result:
-    """Run the ``nbresume`` command in a process of its own."""
+    """Run the ``nbresume`` command in a process of its own: a new interpreter, since the
+    network guard is a ``sitecustomize`` on ``PYTHONPATH``, which only a starting interpreter
+    runs (a fork of the warm server would run without it)."""
     done = subprocess.run(
         [sys.executable, "-m", "nbresume.cli", *args],
         cwd=cwd,

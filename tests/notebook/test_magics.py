@@ -8,7 +8,6 @@ failed, and ``doctor`` / ``verify`` print what the command line prints.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,8 @@ import pytest
 from nbresume.checkpoint import events
 from nbresume.notebook import _extension
 from nbresume.notebook.status_line import StatusLine
+from testkit import warmfork
+from testkit.cli import run_command
 
 from .conftest import train_cell
 
@@ -125,7 +126,7 @@ from nbresume.notebook import once
 run = nbresume.init('nb', dir={str(tmp_path / "run")!r}, quiet=True)
 print(once.read_marker(run.dir, 'tokenize') is not None, once.read_marker(run.dir, 'other'))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = warmfork.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "None"]
 
 
@@ -154,11 +155,7 @@ def test_doctor_prints_what_the_command_line_prints(
     capsys.readouterr()
     ipshell.run_line_magic("nbresume", "doctor --json")
     magic = json.loads(capsys.readouterr().out)
-    cli = subprocess.run(
-        [sys.executable, "-m", "nbresume.cli", "doctor", "--json"],
-        capture_output=True,
-        text=True,
-    )
+    cli = run_command("doctor", "--json")
     command = json.loads(cli.stdout)
     assert magic["platform"] == command["platform"]
     assert [(c["name"], c["status"]) for c in magic["checks"]] == [

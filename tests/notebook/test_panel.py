@@ -247,6 +247,8 @@ def test_the_core_imports_no_ui(tmp_path: Path) -> None:
     )
     # A plain script's Checkpointer shows the terminal status line (nbresume.notebook's light
     # status_line module); the notebook's UI libraries and the panel stay out.
+    # A new interpreter: what it imports is the question (a fork of the warm server has the
+    # server's modules).
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

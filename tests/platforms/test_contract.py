@@ -209,6 +209,7 @@ def test_detects_itself_and_imports_nothing_heavy(case: Case) -> None:
         f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
         "print(json.dumps({'name': p.name, 'heavy': heavy}))\n"
     )
+    # A new interpreter: a fork of the warm server has torch imported already.
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ)
     )

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tests.platforms.conftest import CHECK_NAMES, LoopbackServer
 
 from nbresume.cli import main
+from testkit.cli import run_command
 
 
 def test_table_names_every_check_and_exits_0(
@@ -74,21 +72,11 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_a_doctor_run_as_a_command(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "nbresume.cli", "doctor", "--json", "--dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-    )
+    result = run_command("doctor", "--json", "--dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["ok"] is True
 
-    table = subprocess.run(
-        [sys.executable, "-m", "nbresume.cli", "doctor", "--accelerator", "gpu"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-    )
+    table = run_command("doctor", "--accelerator", "gpu")
     assert table.returncode == 1
     assert "FAIL    accelerator" in table.stdout
     assert "fix: run on a machine with a GPU" in table.stdout

@@ -1,5 +1,9 @@
 """Fixtures for the remote tests: real processes, a real sshd on loopback, a clean environment.
 
+The Python processes (``nbresume run``, ``nbresume pull``, the training job) are forked from the
+suite's warm server (testkit.warmfork), each a process of its own with its pid, session and
+exit status: what these tests check is what the processes do, not how an interpreter starts.
+
 Every child process gets an environment without Slurm, Kubernetes, SSH agent or nbresume
 variables, and a cgroup root with no limits, so that what a test sees does not depend on the
 machine that runs it. Processes that a test leaves behind (a detached run that a failed
@@ -29,6 +33,7 @@ import pytest
 from nbresume.checkpoint.procfs import process_runs
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.runner import RunState, state_path
+from testkit import warmfork
 from testkit.ports import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -36,11 +41,6 @@ TRAIN = HERE / "train_job.py"
 STANDINS = HERE / "bin"
 #: Longest any child may take before the test gives up on it (a hang guard, not a timing).
 HANG_S = 120.0
-
-
-def nbresume_argv(*args: str) -> list[str]:
-    """The command line of ``nbresume`` run from this interpreter."""
-    return [sys.executable, "-m", "nbresume.cli", *args]
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout: float = HANG_S) -> None:
@@ -113,7 +113,7 @@ def end_leftovers(tmp_path: Path) -> Iterator[None]:
 class Job:
     """A child process whose output lines are collected as they come."""
 
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | warmfork.WarmProcess
     lines: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -148,7 +148,8 @@ class Job:
 
 
 def start_job(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> Job:
-    proc = subprocess.Popen(
+    """A Python process (``argv`` starts with ``sys.executable``), its output collected."""
+    proc = warmfork.popen(
         argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,

@@ -20,13 +20,13 @@ import pytest
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store import LEASE_NAME, CheckpointStore, Holder
 from nbresume.pull import PART_SUFFIX, SAFE_LINE, STAGING_PREFIX, STILL_WRITING
-from testkit.cli import run_cli
+from testkit import warmfork
+from testkit.cli import nbresume_argv, run_cli
 
 from .conftest import (
     HANG_S,
     Job,
     SshServer,
-    nbresume_argv,
     remote_run,
     train_argv,
     verified_steps,
@@ -43,7 +43,7 @@ def pull_env(server: SshServer, child_env: dict[str, str]) -> dict[str, str]:
 def run_pull(
     server: SshServer, child_env: dict[str, str], src: Path, dst: Path, *extra: str
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warmfork.run(
         nbresume_argv("pull", *extra, server.url(src), str(dst)),
         env=pull_env(server, child_env),
         capture_output=True,
@@ -69,7 +69,7 @@ def interrupt_mid_file(
     """Start a rate-limited pull and, once the large file is partly copied, kill the pull
     (``how="kill"``) or the server with every connection (``how="drop"``)."""
     part = dst / f"{STAGING_PREFIX}{step_dirname(300)}" / f".model.safetensors{PART_SUFFIX}"
-    pull = subprocess.Popen(
+    pull = warmfork.popen(
         nbresume_argv("pull", "--limit-rate", "1M", server.url(src), str(dst)),
         env=pull_env(server, child_env),
         stdout=subprocess.PIPE,
@@ -178,7 +178,7 @@ def test_a_job_still_training_is_never_called_safe_until_it_stopped(
     # and the folder's writer lease held, while it waits for the test to let it go on.
     src = tmp_path / "remote" / "run1"
     job = Job(
-        subprocess.Popen(
+        warmfork.popen(
             train_argv(src, 4, "--every", "2", "--hold-at", "2"),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -286,7 +286,7 @@ def test_home_relative_paths_and_the_identity_option(
     env = {**child_env, "HOME": str(tmp_path / "empty-home")}
     url = f"ssh://{sshd.user}@127.0.0.1:{sshd.port}/~/runs/x"
 
-    done = subprocess.run(
+    done = warmfork.run(
         nbresume_argv("pull", "-i", str(ssh_keys / "user_key"), url, str(dst)),
         env=env,
         capture_output=True,
@@ -411,7 +411,7 @@ def test_a_lease_that_is_not_a_file_is_named_with_the_fix(
     src = tmp_path / "remote"
     remote_run(src, big=64 << 10)
     lease = odd_lease(src, kind)
-    done = subprocess.run(
+    done = warmfork.run(
         nbresume_argv("pull", str(src), str(tmp_path / "dst")),
         env=child_env,
         capture_output=True,
@@ -443,7 +443,7 @@ def test_over_ssh_a_lease_that_is_not_a_file_is_named_at_once_never_waited_on(
     src = tmp_path / "remote" / "run1"
     remote_run(src, big=64 << 10)
     lease = odd_lease(src, kind)
-    done = subprocess.run(
+    done = warmfork.run(
         nbresume_argv("pull", sshd.url(src), str(tmp_path / "local")),
         env=pull_env(sshd, child_env),
         capture_output=True,

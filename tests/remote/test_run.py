@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 
 from nbresume.checkpoint.procfs import process_runs
+from testkit import warmfork
+from testkit.cli import nbresume_argv
 
 from .conftest import (
     HANG_S,
     final_marker,
     log_lines,
-    nbresume_argv,
     read_state,
     start_job,
     train_argv,
@@ -67,7 +68,7 @@ def test_a_detached_run_outlives_the_command_that_started_it(
     job, go = waiting_job(tmp_path)
     log = tmp_path / "logs" / "train.log"
 
-    parent = subprocess.run(
+    parent = warmfork.run(
         nbresume_argv("run", "--detach", "--log", str(log), "--", *job),
         env=child_env,
         capture_output=True,
@@ -105,7 +106,7 @@ def test_a_lost_terminal_stops_neither_the_job_nor_its_supervisor(
     job, go = waiting_job(tmp_path)
     log = tmp_path / "run.log"
     argv = nbresume_argv("run", "--log", str(log), "--", *job)
-    pid, terminal = pty.fork()
+    pid, terminal = pty.fork()  # a real process: the command runs on a terminal of its own
     if pid == 0:  # the child: a login shell's foreground command, on the terminal
         os.execve(argv[0], argv, child_env)
     seen = b""
@@ -163,7 +164,7 @@ def test_a_killed_job_is_started_again_and_resumes_from_its_checkpoint(
 
 def test_a_python_exception_is_not_retried(tmp_path: Path, child_env: dict[str, str]) -> None:
     log = tmp_path / "run.log"
-    done = subprocess.run(
+    done = warmfork.run(
         nbresume_argv(
             "run", "--retries", "3", "--backoff", "0", "--log", str(log), "--",
             sys.executable, "-c", "print('step 1'); raise ValueError('bad shape in layer 3')",
@@ -225,6 +226,7 @@ def test_a_full_disk_is_not_retried(
     script.write_text(DISK_FILLER)
     log = tmp_path / "run.log"
 
+    # A real process: the command runs inside unshare's private mount namespace.
     done = subprocess.run(
         [
             *private_tmpfs, str(disk),
@@ -289,6 +291,8 @@ def test_math_threads_follow_the_cpu_quota_unless_set(
     for preset, expected in ((None, "1"), ("3", "3")):
         log = tmp_path / f"run-{preset}.log"
         run_env = env if preset is None else {**env, "OMP_NUM_THREADS": preset}
+        # A new interpreter: OMP_NUM_THREADS is read as one starts (a warm server of its own
+        # would cost more than this one start).
         subprocess.run(
             nbresume_argv("run", "--log", str(log), "--", *job),
             env=run_env,
@@ -304,7 +308,7 @@ def test_a_second_run_on_the_same_log_is_refused_while_the_first_is_alive(
 ) -> None:
     job, go = waiting_job(tmp_path)
     log = tmp_path / "run.log"
-    first = subprocess.run(
+    first = warmfork.run(
         nbresume_argv("run", "--detach", "--log", str(log), "--", *job),
         env=child_env,
         capture_output=True,
@@ -313,7 +317,7 @@ def test_a_second_run_on_the_same_log_is_refused_while_the_first_is_alive(
     )
     assert first.returncode == 0, first.stderr
 
-    second = subprocess.run(
+    second = warmfork.run(
         nbresume_argv("run", "--log", str(log), "--", *job),
         env=child_env,
         capture_output=True,
@@ -329,7 +333,7 @@ def test_a_second_run_on_the_same_log_is_refused_while_the_first_is_alive(
 
 def test_a_command_that_does_not_exist(tmp_path: Path, child_env: dict[str, str]) -> None:
     log = tmp_path / "run.log"
-    done = subprocess.run(
+    done = warmfork.run(
         nbresume_argv("run", "--detach", "--log", str(log), "--", "no-such-trainer", "--x"),
         env=child_env,
         capture_output=True,

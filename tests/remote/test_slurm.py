@@ -17,11 +17,11 @@ import pytest
 
 from nbresume.checkpoint.format import step_dirname
 from nbresume.slurm import REQUEUED_MARK
+from testkit.cli import nbresume_argv
 
 from .conftest import (
     final_marker,
     log_lines,
-    nbresume_argv,
     read_state,
     start_job,
     train_argv,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -16,12 +15,12 @@ import pytest
 from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.procfs import process_runs
 from nbresume.pull import is_kaggle_ref
-from testkit.cli import run_cli
+from testkit import warmfork
+from testkit.cli import nbresume_argv, run_cli
 from testkit.supervisor import RecordedJob
 
 from .conftest import (
     HANG_S,
-    nbresume_argv,
     read_state,
     train_argv,
     verified_steps,
@@ -37,7 +36,7 @@ def test_a_running_job_then_one_that_died_without_a_word(
     tmp_path: Path, child_env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    started = subprocess.run(
+    started = warmfork.run(
         nbresume_argv(
             "run", "--detach", "--dir", str(ckpt), "--",
             *train_argv(ckpt, 100_000, "--every", "3"),
@@ -77,7 +76,7 @@ def test_a_finished_run_and_a_failed_one(
     tmp_path: Path, child_env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     good, bad = tmp_path / "good", tmp_path / "bad"
-    subprocess.run(
+    warmfork.run(
         nbresume_argv("run", "--dir", str(good), "--", *train_argv(good, 4, "--every", "2")),
         env=child_env,
         capture_output=True,
@@ -85,7 +84,7 @@ def test_a_finished_run_and_a_failed_one(
         check=True,
     )
     bad.mkdir()
-    subprocess.run(
+    warmfork.run(
         nbresume_argv(
             "run", "--log", str(bad / "train.log"), "--",
             sys.executable, "-c", "raise RuntimeError('no GPU')",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from torch import nn
 
 import nbresume
 from nbresume import CheckpointError, Event, StorageError
+from testkit import warmfork
 from testkit.tinydisk import on_a_tiny_disk
 
 HERE = Path(__file__).parent
@@ -190,7 +190,7 @@ AT_EXIT = textwrap.dedent(
 
 def test_a_background_save_failing_while_the_interpreter_exits_is_printed(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    proc = subprocess.run(
+    proc = warmfork.run(
         [sys.executable, "-c", AT_EXIT, str(root)], capture_output=True, text=True, timeout=300
     )
     assert proc.stdout.strip() == "exiting", proc.stderr

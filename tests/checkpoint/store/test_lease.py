@@ -30,6 +30,8 @@ from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.store import LEASE_NAME, this_process
 from nbresume.cli import main as cli_main
 from nbresume.errors import CheckpointError, FolderInUseError, LeaseLostError, StorageError
+from testkit import warmfork
+from testkit.cli import run_command
 from testkit.paths import with_testkit
 from testkit.stateful import Counter
 
@@ -69,7 +71,9 @@ say(f"done {counter.count}")
 
 
 class Writer:
-    """A writer process, its output read line by line as it comes."""
+    """A writer process, its output read line by line as it comes: forked from the warm
+    server, or with ``fresh`` a new interpreter, a child of the test's own (whose pid stays
+    taken, by a zombie, until the test reaps it)."""
 
     def __init__(
         self,
@@ -80,8 +84,10 @@ class Writer:
         stop_file: Path | None = None,
         options: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        fresh: bool = False,
     ) -> None:
-        self.proc = subprocess.Popen(
+        start: Any = subprocess.Popen if fresh else warmfork.popen
+        self.proc = start(
             [sys.executable, "-c", WRITER, location, str(total), str(pause),
              str(stop_file or ""), json.dumps(options or {})],
             stdout=subprocess.PIPE,
@@ -169,12 +175,6 @@ def lease_of_another_host(*, renewed_ago: float) -> bytes:
 QUIET: dict[str, Any] = {"every": None, "deadline": None}
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "nbresume.cli", *args], capture_output=True, text=True, timeout=120
-    )
-
-
 # -- two processes, one folder --------------------------------------------------------------
 
 
@@ -208,7 +208,8 @@ def test_a_second_writer_is_refused_and_the_first_loses_nothing(tmp_path: Path) 
 @pytest.mark.slow
 def test_a_killed_writers_lease_is_taken_over_and_the_run_resumes(tmp_path: Path) -> None:
     folder = tmp_path / "run"
-    first = Writer(str(folder), pause=0.05)
+    # A child of this process, not of the warm server: the server would reap it at once.
+    first = Writer(str(folder), pause=0.05, fresh=True)
     first.wait_for("saved 3")
     first.proc.kill()  # kill -9; not reaped yet: a zombie holds the pid meanwhile
     try:
@@ -508,11 +509,11 @@ def test_readers_need_no_lease_and_prune_waits_for_the_writer(tmp_path: Path) ->
     writer = Writer(str(folder), pause=0.05, stop_file=stop)
     try:
         writer.wait_for("saved 5")
-        listed = run_cli("ls", str(folder))
+        listed = run_command("ls", str(folder))
         assert listed.returncode == 0, listed.stderr
         assert "checkpoint(s)" in listed.stdout
         assert LEASE_NAME not in listed.stdout
-        verified = run_cli("verify", str(folder))
+        verified = run_command("verify", str(folder))
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert LEASE_NAME not in verified.stdout
 
@@ -521,7 +522,7 @@ def test_readers_need_no_lease_and_prune_waits_for_the_writer(tmp_path: Path) ->
         assert LEASE_NAME not in [i.name for i in store.list()]
 
         before = (folder / LEASE_NAME).read_bytes()
-        pruned = run_cli("prune", str(folder), "--keep", "1")
+        pruned = run_command("prune", str(folder), "--keep", "1")
         assert pruned.returncode == 1
         assert f"pid {writer.pid} on host" in pruned.stderr
         assert (folder / LEASE_NAME).read_bytes() == before  # the writer's lease is untouched
@@ -529,7 +530,7 @@ def test_readers_need_no_lease_and_prune_waits_for_the_writer(tmp_path: Path) ->
         stop.touch()
         assert writer.finish() == 0, writer.stderr
     last = writer.saved()[-1]
-    pruned = run_cli("prune", str(folder), "--keep", "1")
+    pruned = run_command("prune", str(folder), "--keep", "1")
     assert pruned.returncode == 0, pruned.stderr
     assert [i.step for i in CheckpointStore(folder).list()] == [last]
     assert not (folder / LEASE_NAME).exists()

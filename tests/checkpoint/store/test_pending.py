@@ -22,6 +22,7 @@ from nbresume.checkpoint.format import step_dirname
 from nbresume.checkpoint.store import PendingCheckpoint
 from nbresume.cli import main
 from nbresume.errors import UsageError
+from testkit import warmfork
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -206,7 +207,7 @@ def test_a_kill_9_in_the_middle_of_a_pending_checkpoint_leaves_nothing_listed(
 ) -> None:
     root = tmp_path / "ckpt"
     CheckpointStore(root).save(1, data={"before": 1})
-    child = subprocess.Popen(
+    child = warmfork.popen(
         [sys.executable, "-c", _CHILD, str(root)], stdout=subprocess.PIPE, text=True
     )
     try:

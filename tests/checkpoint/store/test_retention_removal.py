@@ -21,6 +21,7 @@ import torch
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.backends import DELETING_PREFIX
 from nbresume.checkpoint.format import step_dirname
+from testkit import warmfork
 from testkit.stateful import Counter
 
 
@@ -124,7 +125,7 @@ else:
 
 
 def run_child(root: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warmfork.run(
         [sys.executable, "-c", _CHILD, str(root), mode],
         capture_output=True,
         text=True,
