@@ -101,7 +101,10 @@ class FsspecStore(Backend):
         # Writing in place: an earlier copy of this step is withdrawn (its manifest first, as
         # in delete()) and removed, so that until our manifest lands the folder is uncommitted
         # rather than mixed, and no file of the old copy lingers next to the new manifest.
-        self.delete(final)
+        # One listing says whether there is one: removing what is not there costs an object
+        # store several requests (s3fs looks for the folder, then for a file of that name).
+        if self._ls(self._path(final)):
+            self.delete(final)
         self.fs.makedirs(self._path(final), exist_ok=True)
         return final
 
