@@ -164,7 +164,8 @@ class FakeKaggle:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # stop() waits for the loop's next poll: the default half second, at every stop.
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
     # -- lifetime --------------------------------------------------------------------------
 

@@ -206,7 +206,10 @@ class DriveServer(ThreadingHTTPServer):
         return f"http://{host!s}:{port}/"
 
     def start(self) -> DriveServer:
-        self._thread = threading.Thread(target=self.serve_forever, name="drive-api", daemon=True)
+        # stop() waits for the loop's next poll: the default half second, at every stop.
+        self._thread = threading.Thread(
+            target=self.serve_forever, args=(0.05,), name="drive-api", daemon=True
+        )
         self._thread.start()
         return self
 
