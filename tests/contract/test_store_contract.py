@@ -22,7 +22,13 @@ import pytest
 import torch
 import xxhash
 
-from nbresume.checkpoint.format import MANIFEST_NAME, TEMP_PREFIX, parse_manifest, step_dirname
+from nbresume.checkpoint.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    TEMP_PREFIX,
+    parse_manifest,
+    step_dirname,
+)
 from nbresume.checkpoint.store.store import CheckpointInfo, CheckpointStore
 from nbresume.cli import main
 from nbresume.errors import NoCheckpointError, UsageError
@@ -160,6 +166,26 @@ def test_a_corrupt_file_fails_verify_and_load_falls_back(backend: Backend, damag
         assert loaded.step == 2
         assert [r.step for r in loaded.skipped] == [3]
         assert_same_tensors(loaded.tensors["model"], torch_state(2)["model"])
+
+
+@pytest.mark.parametrize("damage", ["empty", "oversized"])
+def test_a_damaged_manifest_is_reported_and_load_falls_back(backend: Backend, damage: str) -> None:
+    store = backend.open(keep=None)
+    for step in (1, 2):
+        save_state(store, step)
+    newest = step_dirname(2)
+    # An empty object (S3 refuses a ranged read of one), or one past the manifest size limit.
+    spoiled = b"" if damage == "empty" else b" " * (MAX_MANIFEST_BYTES + 1)
+    backend.write(spoiled, newest, MANIFEST_NAME)
+
+    for reader in (store, backend.open(keep=None)):
+        assert steps(reader.list()) == [1]
+        [broken] = reader.broken()
+        assert broken.step == 2
+        assert "invalid manifest" in broken.problem
+        assert reader.verify().summary == "OK 1/2, errors 1"
+        with pytest.warns(RuntimeWarning, match="skipped 1 newer checkpoint"):
+            assert reader.load().step == 1
 
 
 def test_an_uncommitted_write_is_not_a_checkpoint_and_the_next_save_cleans_it(

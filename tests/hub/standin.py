@@ -117,7 +117,8 @@ class HubStandIn:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # stop() waits for the loop's next poll: the default half second, at every stop.
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -156,6 +157,9 @@ class HubStandIn:
 class _Handler(BaseHTTPRequestHandler):
     standin: HubStandIn
     protocol_version = "HTTP/1.1"
+    # Headers and body leave in two writes: with Nagle's algorithm the body waits for the
+    # client's delayed ACK of the headers (some 40 ms a request on Linux).
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

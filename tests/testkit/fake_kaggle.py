@@ -164,7 +164,8 @@ class FakeKaggle:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # stop() waits for the loop's next poll: the default half second, at every stop.
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -641,6 +642,9 @@ def make_writable(folder: Path) -> None:
 def _handler_for(server: FakeKaggle) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body leave in two writes: with Nagle's algorithm the body waits for the
+        # client's delayed ACK of the headers (some 40 ms a request on Linux).
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: Any) -> None:
             pass

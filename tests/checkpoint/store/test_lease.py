@@ -28,6 +28,7 @@ import pytest
 
 from nbresume import Checkpointer, CheckpointStore
 from nbresume.checkpoint.store import LEASE_NAME, this_process
+from nbresume.checkpoint.store import lease as lease_module
 from nbresume.cli import main as cli_main
 from nbresume.errors import CheckpointError, FolderInUseError, LeaseLostError, StorageError
 from testkit import warmfork
@@ -246,6 +247,15 @@ def test_a_live_writer_on_this_machine_is_never_taken_over(tmp_path: Path) -> No
         assert first.finish() == 0, first.stderr
 
 
+@pytest.fixture
+def no_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A takeover in this process reads its lease back at once rather than after
+    ``LEASE_SETTLE_S``: the pause tells apart two writers taking over one stale lease at the
+    same moment, which a test using this never starts."""
+    monkeypatch.setattr(lease_module, "LEASE_SETTLE_S", 0.0)
+
+
+@pytest.mark.usefixtures("no_settle")
 def test_a_stale_lease_from_another_host_is_taken_over(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -375,6 +385,7 @@ ODD_LEASES = {
 
 
 @pytest.mark.parametrize("lease", ODD_LEASES.values(), ids=ODD_LEASES.keys())
+@pytest.mark.usefixtures("no_settle")
 def test_a_lease_file_holding_values_nbresume_never_writes_is_taken_over(
     tmp_path: Path,
     lease: str,
