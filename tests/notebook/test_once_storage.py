@@ -16,6 +16,11 @@ from typing import Any
 
 import pytest
 
+# At module level, so that the tiers' reading of the fixture sees the server it starts in any
+# collection (imported inside the fixture, it was found only when another file had imported
+# the module: run alone, the test ran unmarked and its process was caught).
+from testkit.backends import FAKE_AWS_ENV, free_port, loopback_only, start_moto_server
+
 pytest.importorskip("IPython", reason="needs IPython (the notebook extra)")
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
@@ -26,8 +31,6 @@ def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, An
     """moto's S3 server on loopback, a fresh bucket, and the options that reach it; the
     environment's own S3 endpoint is a closed loopback port."""
     import s3fs
-
-    from testkit.backends import FAKE_AWS_ENV, free_port, loopback_only, start_moto_server
 
     server, endpoint = start_moto_server(tmp_path / "moto.log")
     for name, value in FAKE_AWS_ENV.items():
