@@ -83,6 +83,10 @@ class Entry:
     mtime: int
 
 
+#: The ports this process's stand-ins have listened on (:meth:`HubStandIn.start`).
+_PORTS: set[int] = set()
+
+
 @dataclass
 class HubStandIn:
     """The Hub on loopback. ``buckets``: bucket id -> {path: Entry}."""
@@ -115,7 +119,18 @@ class HubStandIn:
         class Handler(_Handler):
             standin = hub
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # Never the port of an earlier stand-in of this process: hf_xet's session (one per
+        # process) remembers what it uploaded by the Hub's address, and would send a new
+        # stand-in on an old port references to chunks it never received ("xet hash not
+        # found" at the batch, in whichever test drew the port again). A port taken before
+        # is held open while another is drawn.
+        taken_before = []
+        while (server := ThreadingHTTPServer(("127.0.0.1", 0), Handler)).server_port in _PORTS:
+            taken_before.append(server)
+        for old in taken_before:
+            old.server_close()
+        _PORTS.add(server.server_port)
+        self.server = server
         self.server.daemon_threads = True
         # stop() waits for the loop's next poll: the default half second, at every stop.
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
