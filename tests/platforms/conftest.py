@@ -72,6 +72,7 @@ class LoopbackServer:
         self.sock.listen(16)
         self.port = int(self.sock.getsockname()[1])
         self.accepted = 0
+        self._connected = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -82,7 +83,13 @@ class LoopbackServer:
             except OSError:
                 return
             self.accepted += 1
+            self._connected.set()
             conn.close()
+
+    def was_reached(self, timeout_s: float = 10.0) -> bool:
+        """Whether a client connected. The kernel completes a connection before this
+        server's thread accepts it: a client can be done before the count moves."""
+        return self._connected.wait(timeout_s)
 
     def close(self) -> None:
         self.sock.close()
