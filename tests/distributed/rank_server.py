@@ -21,11 +21,14 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 #: How long one job may take before the test gives up on it.
 RUN_TIMEOUT_S = 180
+#: How many times a job whose port was taken before it listened is started.
+PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -43,32 +46,14 @@ def serve(
         argv = line.split()
         if not argv:
             continue
-        size = world(argv)
-        port = free_port()
-        sys.stdout.flush()
-        errors = tempfile.mkdtemp(prefix="ranks-stderr-")
-        children = {}
-        for rank in range(size):
-            pid = os.fork()
-            if pid == 0:
-                # The rank's stderr in a file of its own (C++ code writes to fd 2 directly),
-                # printed with the rank's name once it is gone.
-                stderr = os.open(
-                    os.path.join(errors, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
-                )
-                os.dup2(stderr, 2)
-                os.close(stderr)
-                code = 1
-                try:
-                    code = run_rank(rank, size, port, argv)
-                finally:
-                    sys.stdout.flush()
-                    os._exit(code)
-            children[pid] = rank
-        codes = {}
-        while children:
-            pid, status = os.wait()
-            codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        # The port is free when drawn, not when rank 0 listens on it: another process of the
+        # machine can take it in between, and the job then fails in its first call, before
+        # any rank has done anything. Such a job is started again, on another port.
+        for _ in range(PORT_ATTEMPTS):
+            codes, errors = _job(run_rank, world(argv), free_port(), argv)
+            if not (any(codes.values()) and _port_was_taken(errors)):
+                break
+            shutil.rmtree(errors, ignore_errors=True)
         for rank in sorted(codes):
             with open(os.path.join(errors, str(rank)), errors="replace") as written:
                 for text in written:
@@ -76,6 +61,51 @@ def serve(
             print("exit", rank, codes[rank], flush=True)
         shutil.rmtree(errors, ignore_errors=True)
         print("done", flush=True)
+
+
+def _job(
+    run_rank: Callable[[int, int, int, list[str]], int], size: int, port: int, argv: list[str]
+) -> tuple[dict[int, int], str]:
+    """Fork the ``size`` ranks of one job and wait for them: their exit codes, and the folder
+    of their stderr files (one a rank)."""
+    sys.stdout.flush()
+    errors = tempfile.mkdtemp(prefix="ranks-stderr-")
+    children = {}
+    for rank in range(size):
+        pid = os.fork()
+        if pid == 0:
+            # The rank's stderr in a file of its own (C++ code writes to fd 2 directly),
+            # printed with the rank's name once it is gone.
+            stderr = os.open(
+                os.path.join(errors, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
+            )
+            os.dup2(stderr, 2)
+            os.close(stderr)
+            code = 1
+            try:
+                code = run_rank(rank, size, port, argv)
+            except BaseException:
+                traceback.print_exc()  # before os._exit, which would lose it
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = rank
+    codes = {}
+    while children:
+        pid, status = os.wait()
+        codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+    return codes, errors
+
+
+def _port_was_taken(errors: str) -> bool:
+    """Whether a rank's stderr says its process group's port was in use."""
+    for name in os.listdir(errors):
+        with open(os.path.join(errors, name), errors="replace") as written:
+            text = written.read()
+        if "EADDRINUSE" in text or "ddress already in use" in text:
+            return True
+    return False
 
 
 class RankServer:
