@@ -188,6 +188,25 @@ def test_a_damaged_manifest_is_reported_and_load_falls_back(backend: Backend, da
             assert reader.load().step == 1
 
 
+def test_a_step_saved_again_over_a_killed_write_of_it_holds_only_the_new_files(
+    backend: Backend,
+) -> None:
+    """A killed write of a step leaves a stray file; saving that step again must leave only the
+    new save's files, which verify and load."""
+    store = backend.open(keep=None)
+    layer = store.backend
+    folder = layer.begin(step_dirname(2))
+    handle = layer.open_write(folder, "stray.bin")
+    handle.write(b"left by a writer killed before its commit")
+    layer.close_durably(handle)
+
+    fresh = backend.open(keep=None)
+    save_state(fresh, 2)
+    assert "stray.bin" not in backend.files(step_dirname(2))
+    assert fresh.verify().summary == "OK 1/1, errors 0"
+    assert quietly(fresh).step == 2
+
+
 def test_an_uncommitted_write_is_not_a_checkpoint_and_the_next_save_cleans_it(
     backend: Backend,
 ) -> None:
