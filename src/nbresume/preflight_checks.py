@@ -70,8 +70,11 @@ class Check:
     """One preflight check: its name, status, what was seen, and the fix."""
 
     name: str
+    #: ``"fail"`` stops a strict run (a Kaggle batch run by default); ``"warn"`` never does.
     status: Status
+    #: What was found, in the words the report prints (``"Tesla T4, 15 GiB, driver 535"``).
     seen: str
+    #: What to do about a ``"warn"`` or ``"fail"`` (``""`` for ``"ok"``).
     fix: str = ""
 
     def to_dict(self) -> dict[str, str]:

@@ -71,10 +71,13 @@ def _shape(pattern: str, *needles: str, value: str | None = None) -> Shape:
 class Kind:
     """A kind of credential: its id, how a message names it, and where to revoke it."""
 
+    #: A short name that stays the same across versions (``"huggingface"``).
     id: str
     label: str
+    #: Where the owner revokes a leaked one.
     revoke: str
     shapes: tuple[Shape, ...]
+    #: A last test of a match's value: False for what only looks like a credential.
     accept: Callable[[str], bool] = lambda value: True
 
 

@@ -71,9 +71,12 @@ _GPU_WORDS = ("cuda", "nvidia driver", "no kernel image", "xla", "tpu")
 class CellFailure:
     """The cell a run stopped at: its number, its first line and the error."""
 
+    #: The cell's place in the notebook, counting every cell from 1 (0: before any cell).
     cell: int
     first_line: str
+    #: The exception's name and message, as the kernel reported them.
     error: str
+    #: A likely cause, where the error is one a smoke run on CPU is known to meet.
     hint: str = ""
 
     def __str__(self) -> str:
