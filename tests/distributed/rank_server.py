@@ -46,14 +46,7 @@ def serve(
         argv = line.split()
         if not argv:
             continue
-        # The port is free when drawn, not when rank 0 listens on it: another process of the
-        # machine can take it in between, and the job then fails in its first call, before
-        # any rank has done anything. Such a job is started again, on another port.
-        for _ in range(PORT_ATTEMPTS):
-            codes, errors = _job(run_rank, world(argv), free_port(), argv)
-            if not (any(codes.values()) and _port_was_taken(errors)):
-                break
-            shutil.rmtree(errors, ignore_errors=True)
+        codes, errors = run_job(run_rank, world(argv), argv)
         for rank in sorted(codes):
             with open(os.path.join(errors, str(rank)), errors="replace") as written:
                 for text in written:
@@ -61,6 +54,23 @@ def serve(
             print("exit", rank, codes[rank], flush=True)
         shutil.rmtree(errors, ignore_errors=True)
         print("done", flush=True)
+
+
+def run_job(
+    run_rank: Callable[[int, int, int, list[str]], int], size: int, argv: list[str]
+) -> tuple[dict[int, int], str]:
+    """Fork the ``size`` ranks of one job, each running ``run_rank(rank, size, port, argv)``
+    with a free port for its process group, and wait for them: their exit codes by rank, and
+    the folder of their stderr files (one a rank, named by it; the caller removes it)."""
+    # The port is free when drawn, not when rank 0 listens on it: another process of the
+    # machine can take it in between, and the job then fails in its first call, before any
+    # rank has done anything. Such a job is started again, on another port.
+    for _ in range(PORT_ATTEMPTS):
+        codes, errors = _job(run_rank, size, free_port(), argv)
+        if not (any(codes.values()) and _port_was_taken(errors)):
+            break
+        shutil.rmtree(errors, ignore_errors=True)
+    return codes, errors
 
 
 def _job(
@@ -84,6 +94,8 @@ def _job(
             code = 1
             try:
                 code = run_rank(rank, size, port, argv)
+            except SystemExit as stop:  # a stop on a signal: 128 + the signal's number
+                code = stop.code if isinstance(stop.code, int) else 1
             except BaseException:
                 traceback.print_exc()  # before os._exit, which would lose it
             finally:

@@ -32,11 +32,8 @@ import json
 import os
 import random
 import shutil
-import socket
 import sys
-import tempfile
 import time
-import traceback
 from typing import Any
 
 import numpy as np
@@ -106,48 +103,23 @@ def hashes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]
 
 def fork_ranks(count: int, args: argparse.Namespace) -> int:
     """Start ``count`` ranks as forked children, as ``torchrun`` would as fresh processes."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    errors = tempfile.mkdtemp(prefix="ddp-stderr-")
-    children = {}
-    for rank in range(count):
-        pid = os.fork()
-        if pid == 0:
-            os.environ.update(
-                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(count),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            )  # fmt: skip
-            # Each rank's stderr in a file of its own (libstdc++ and C++ code write to fd 2
-            # directly): the parent passes it on with the rank's name once the rank is gone.
-            stderr = os.open(
-                os.path.join(errors, str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
-            )
-            os.dup2(stderr, 2)
-            os.close(stderr)
-            code = 1
-            try:
-                code = train(args)
-            except SystemExit as stop:  # a stop on a signal: 128 + the signal's number
-                code = stop.code if isinstance(stop.code, int) else 1
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                os._exit(code)
-        children[pid] = rank
-    failed = False
-    while children:
-        pid, status = os.wait()
-        code = os.waitstatus_to_exitcode(status)
-        rank = children.pop(pid)
+    import rank_server  # a sibling: this file runs as a script
+
+    def run_rank(rank: int, world: int, port: int, argv: list[str]) -> int:
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+        return train(args)
+
+    codes, errors = rank_server.run_job(run_rank, count, [])
+    for rank in sorted(codes):
         with open(os.path.join(errors, str(rank)), errors="replace") as written:
             for line in written:
                 say(rank, f"stderr {line.rstrip()}")
-        say(rank, f"exit {code}")
-        failed = failed or code != 0
+        say(rank, f"exit {codes[rank]}")
     shutil.rmtree(errors, ignore_errors=True)
-    return 1 if failed else 0
+    return 1 if any(codes.values()) else 0
 
 
 def main() -> int:
