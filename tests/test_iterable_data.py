@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import random
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from nbresume import ResumableLoader
 from nbresume.checkpoint.store import CheckpointStore
 from nbresume.errors import UsageError
 from nbresume.resumecheck.compare import RNG, compare, final_checkpoints
+from testkit import warmfork
 from testkit.paths import ROOT
 from testkit.runs import replayable_rng, reported, steps_on_disk
 from zygote import CHILD_ENV, Zygote
@@ -321,7 +321,7 @@ def test_the_recipe_stopped_twice_ends_as_the_uninterrupted_run(tmp_path: Path) 
 
     def script(root: Path, stop_after: int | None = None) -> str:
         env = {**CHILD_ENV, "NBRESUME_SMOKE_STEPS": str(stop_after)} if stop_after else CHILD_ENV
-        done = subprocess.run(
+        done = warmfork.run(
             [sys.executable, str(RECIPE), str(root / "run")],
             capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path, env=env,
         )  # fmt: skip

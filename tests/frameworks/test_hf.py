@@ -26,6 +26,7 @@ pytest.importorskip("transformers")
 
 import nbresume.hf
 from nbresume.checkpoint.store import CheckpointStore
+from testkit import warmfork
 
 SCRIPT = Path(__file__).with_name("hf_train.py")
 STEPS, EVERY = 48, 4
@@ -69,7 +70,7 @@ def environment(home: Path) -> dict[str, str]:
 
 def train(out: Path, *args: str, term_after: int | None = None) -> Run:
     """Run the script on ``out``; with ``term_after``, send SIGTERM once it printed that step."""
-    child = subprocess.Popen(
+    child = warmfork.popen(
         [sys.executable, str(SCRIPT), str(out), *args],
         env=environment(out.parent / "hf-home"),
         stdout=subprocess.PIPE,

@@ -20,6 +20,7 @@ from accelerate.utils import ProjectConfiguration
 from safetensors.torch import load_file
 
 import nbresume.hf
+from testkit import warmfork
 from testkit.paths import ROOT
 
 
@@ -82,9 +83,9 @@ def test_save_state_into_a_folder_without_a_step_number_is_refused(tmp_path: Pat
 SAVE_STATE_SCRIPT = ROOT / "docs" / "frameworks" / "accelerate_save_state.py"
 
 
-def run_script(cwd: Path) -> subprocess.Popen[str]:
+def run_script(cwd: Path) -> warmfork.WarmProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(
+    return warmfork.popen(
         [sys.executable, str(SAVE_STATE_SCRIPT)],
         cwd=cwd,
         env=env,

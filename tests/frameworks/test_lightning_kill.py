@@ -31,6 +31,7 @@ from tests.session_run import run_in_session
 
 import nbresume
 import nbresume.lightning
+from testkit import warmfork
 
 SCRIPT = Path(__file__).with_name("lightning_train.py")
 pytestmark = pytest.mark.slow
@@ -170,7 +171,7 @@ def test_save_top_k_keeps_the_right_checkpoints_when_killed_during_removal(
 def test_sigterm_saves_last_then_exits(tmp_path: Path) -> None:
     """SIGTERM at any step: a verified last.ckpt of the step it stopped at, then exit 143."""
     env = {**os.environ, "NBRESUME_TEST_KILL": ""}
-    process = subprocess.Popen(
+    process = warmfork.popen(
         [sys.executable, str(SCRIPT), str(tmp_path)],
         env=env,
         stdout=subprocess.DEVNULL,
