@@ -15,7 +15,6 @@ import os
 import pickle
 import shutil
 import struct
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from tests.test_loadable import reseal
 
 from nbresume.hf.folders import FILES_NAME, commit_folder, hash_file, open_store
 from nbresume.pull import SAFE_LINE
+from testkit import warmfork
 
 CHILD = Path(__file__).with_name("hostile_child.py")
 #: The child's address space beyond what torch and nbresume take once imported (0.6 GB with
@@ -42,13 +42,16 @@ TIMEOUT = 60
 def run_child(*ops: tuple[str, str | Path]) -> dict[str, Any]:
     """Run ``ops`` (operation, argument) in a child of bounded memory and time; its report:
     ``reports`` (one per operation), ``peak`` (the most resident memory it used) and
-    ``imports`` (what it used once torch and nbresume were imported)."""
+    ``imports`` (what it used once torch and nbresume were imported). The child is forked
+    from the warm server: its address space is bounded from what it has at its start, and its
+    peak (``VmHWM``, its own after a fork) is its own resident memory, as in a new process
+    (growth measured both ways: within 1-76 MB, fork or not)."""
     argv = [str(part) for op in ops for part in op]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBRESUME_")}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(CHILD.parent.parent / "src"), env.get("PYTHONPATH", "")]
     )
-    done = subprocess.run(
+    done = warmfork.run(
         [sys.executable, str(CHILD), str(BUDGET), *argv],
         capture_output=True,
         text=True,
