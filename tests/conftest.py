@@ -7,6 +7,8 @@ own writer, so that a test of the reader cannot pass merely because reader and w
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import hashlib
 import json
 import os
@@ -61,6 +63,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ["TMPDIR"] = before
     tempfile.tempdir = None
     shutil.rmtree(sandbox, ignore_errors=True)
+    if not hasattr(config, "workerinput"):  # the run itself, once its workers have ended
+        # pytest removes the folders of tests that passed (tmp_path_retention_policy) but
+        # leaves their parent, pytest-of-<user>, behind, empty; one that holds a failed
+        # test's folder stays.
+        root = Path(os.environ["PYTEST_DEBUG_TEMPROOT"]) / f"pytest-of-{getpass.getuser()}"
+        with contextlib.suppress(OSError):
+            root.rmdir()
 
 
 @pytest.fixture(autouse=True)
