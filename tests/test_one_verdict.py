@@ -49,6 +49,7 @@ from tests.test_verdict import edit_state
 from torch.utils.data import DataLoader, TensorDataset
 
 from nbresume.pull import SAFE_LINE
+from testkit import warmfork
 from testkit.fake_kaggle import FakeKaggle
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,10 @@ def run_ops(
         env.update(kaggle)
         paths.insert(0, str(NETGUARD))  # nothing the child does leaves loopback
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    done = subprocess.run(
+    # The network guard is a sitecustomize, which only a starting interpreter runs: a child
+    # that pushes is new, the others fork from the warm server.
+    start = subprocess.run if kaggle is not None else warmfork.run
+    done = start(
         [sys.executable, str(CHILD), str(BUDGET), *[part for op in ops for part in op]],
         capture_output=True,
         text=True,
