@@ -33,6 +33,7 @@ from nbresume import knobs
 from nbresume.checkpoint.loop import Cadence
 from nbresume.resumecheck import causes, observe
 from nbresume.resumecheck.compare import MODEL, Comparison, Difference
+from testkit import warmfork
 from testkit.paths import ROOT, with_testkit
 from testkit.stateful import Weights
 
@@ -57,7 +58,7 @@ def environment(tmp: Path) -> dict[str, str]:
 class Check:
     """A ``nbresume check`` running in a folder of its own."""
 
-    process: subprocess.Popen[str]
+    process: warmfork.WarmProcess
     tmp: Path
 
     def result(self) -> tuple[int, str]:
@@ -75,7 +76,7 @@ def start_check(folder: Path, script: Path, *options: str, steps: int | None = S
     command = [sys.executable, "-m", "nbresume", "check", "--seed", str(SEED)]
     budget = ["--steps", str(steps)] if steps is not None else []
     command += [*budget, *options, "--", sys.executable, script.name]
-    process = subprocess.Popen(
+    process = warmfork.popen(
         command,
         cwd=folder,
         env=environment(tmp),

@@ -5,12 +5,13 @@ exactly: each one is run by ``nbresume check``, uninterrupted and killed at rand
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from testkit import warmfork
+from testkit.cli import nbresume_argv
 from testkit.paths import ROOT
 
 RECIPES = sorted((ROOT / "docs" / "recipes").glob("*.py"))
@@ -25,10 +26,9 @@ def test_every_recipe_is_shown_in_the_docs() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_a_recipe_resumes_exactly(tmp_path: Path, recipe: Path) -> None:
-    nbresume = Path(sys.executable).with_name("nbresume")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-    done = subprocess.run(
-        [str(nbresume), "check", "--steps", "24", "--", sys.executable, str(recipe)],
+    done = warmfork.run(
+        nbresume_argv("check", "--steps", "24", "--", sys.executable, str(recipe)),
         capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path, env=env,
     )  # fmt: skip
     report = done.stdout + done.stderr
