@@ -91,6 +91,8 @@ def _job(
             )
             os.dup2(stderr, 2)
             os.close(stderr)
+            # Python's own writes there too where sys.stderr is not fd 2 (pytest's capture).
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             code = 1
             try:
                 code = run_rank(rank, size, port, argv)
