@@ -67,8 +67,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         # pytest removes the folders of tests that passed (tmp_path_retention_policy) but
         # leaves their parent, pytest-of-<user>, behind, empty; one that holds a failed
         # test's folder stays.
-        root = Path(os.environ["PYTEST_DEBUG_TEMPROOT"]) / f"pytest-of-{getpass.getuser()}"
-        with contextlib.suppress(OSError):
+        # (getuser() raises where the user has no name: pytest then says "unknown".)
+        with contextlib.suppress(OSError, KeyError):
+            root = Path(os.environ["PYTEST_DEBUG_TEMPROOT"]) / f"pytest-of-{getpass.getuser()}"
             root.rmdir()
 
 

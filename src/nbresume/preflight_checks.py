@@ -72,9 +72,9 @@ class Check:
     name: str
     #: ``"fail"`` stops a strict run (a Kaggle batch run by default); ``"warn"`` never does.
     status: Status
-    #: What was found, in the words the report prints (``"Tesla T4, 15 GiB, driver 535"``).
+    #: What was found, in the words the report prints.
     seen: str
-    #: What to do about a ``"warn"`` or ``"fail"`` (``""`` for ``"ok"``).
+    #: What to do about a ``"warn"`` or ``"fail"``.
     fix: str = ""
 
     def to_dict(self) -> dict[str, str]:

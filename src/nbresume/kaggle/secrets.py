@@ -71,7 +71,7 @@ def _shape(pattern: str, *needles: str, value: str | None = None) -> Shape:
 class Kind:
     """A kind of credential: its id, how a message names it, and where to revoke it."""
 
-    #: A short name that stays the same across versions (``"huggingface"``).
+    #: A short name that tells the kinds apart (``"huggingface"``).
     id: str
     label: str
     #: Where the owner revokes a leaked one.

@@ -74,9 +74,11 @@ class CellFailure:
     #: The cell's place in the notebook, counting every cell from 1 (0: before any cell).
     cell: int
     first_line: str
-    #: The exception's name and message, as the kernel reported them.
+    #: The exception's name and message as the kernel reported them, or why the run failed
+    #: before any cell.
     error: str
-    #: A likely cause, where the error is one a smoke run on CPU is known to meet.
+    #: A likely cause and what to do, for errors a smoke run here is known to meet (no GPU,
+    #: Kaggle's paths, ``input()``, the network); ``""`` otherwise.
     hint: str = ""
 
     def __str__(self) -> str:
